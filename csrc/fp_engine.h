@@ -1,0 +1,90 @@
+/*
+ * fastpersist I/O engine: asynchronous, offset-based file I/O through
+ * page-aligned, page-locked buffers, with io_uring, libaio or plain
+ * pwrite/pread underneath.
+ *
+ * The engine knows nothing of Python or torch. Every function that can fail
+ * returns 0 (or a count) on success and -errno on failure; it never exits.
+ * Details of the first failure (operation, file offset) are kept in the
+ * engine and can be read with fp_last_error().
+ */
+#ifndef FP_ENGINE_H
+#define FP_ENGINE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+enum fp_engine_kind {
+    FP_ENGINE_PSYNC = 0, /* portable: synchronous pwrite/pread */
+    FP_ENGINE_AIO = 1,   /* Linux native AIO through libaio */
+    FP_ENGINE_URING = 2, /* io_uring through liburing */
+};
+
+struct fp_config {
+    int kind;              /* enum fp_engine_kind */
+    size_t buffer_size;    /* bytes per bounce buffer, multiple of 4096 */
+    int num_buffers;       /* >= 2: one is filled while the others are in flight */
+    int queue_depth;       /* requests in flight at most */
+    size_t request_size;   /* bytes per I/O request, multiple of 4096 */
+    int lock_memory;       /* try mlock() on the buffers */
+};
+
+struct fp_engine;
+
+/* 1 if support for `kind` was compiled in. */
+int fp_kind_compiled(int kind);
+
+/* Creates an engine. Fails with -EPERM/-ENOSYS etc. when the kernel refuses
+ * the backend (io_uring disabled, seccomp), so callers can fall back. */
+int fp_engine_create(const struct fp_config *cfg, struct fp_engine **out);
+void fp_engine_destroy(struct fp_engine *e);
+
+int fp_engine_kind(const struct fp_engine *e);
+/* 1 if the buffers are locked in memory, 0 if mlock was refused or not asked. */
+int fp_engine_memory_locked(const struct fp_engine *e);
+/* errno of the refused mlock, 0 if none. */
+int fp_engine_lock_errno(const struct fp_engine *e);
+void *fp_engine_buffer(const struct fp_engine *e, int index);
+size_t fp_engine_buffer_size(const struct fp_engine *e);
+int fp_engine_num_buffers(const struct fp_engine *e);
+
+/* Operation and file offset of the last failure. */
+const char *fp_last_error_op(const struct fp_engine *e);
+uint64_t fp_last_error_offset(const struct fp_engine *e);
+
+/*
+ * Sequential write stream starting at `offset`. Bytes are copied into the
+ * engine's buffers and written asynchronously. Whole aligned blocks go to
+ * `direct_fd` (opened with O_DIRECT), the unaligned head and tail to
+ * `buffered_fd`, so several streams may fill disjoint ranges of one file.
+ * Pass direct_fd = -1 to write everything through buffered_fd.
+ * If the O_DIRECT fd refuses a write with EINVAL, the stream switches to
+ * buffered_fd for the rest (fp_stream_direct() then returns 0).
+ * One stream per engine at a time.
+ */
+int fp_stream_begin(struct fp_engine *e, int direct_fd, int buffered_fd, uint64_t offset);
+/* Appends n bytes from src. If crc is not NULL, *crc is updated with the
+ * CRC-32 (zip/zlib polynomial) of the bytes. */
+int fp_stream_write(struct fp_engine *e, const void *src, size_t n, uint32_t *crc);
+/* Appends n zero bytes. */
+int fp_stream_zero(struct fp_engine *e, size_t n);
+/* Writes what is buffered, waits for every request, ends the stream. */
+int fp_stream_end(struct fp_engine *e);
+/* Ends the stream without writing what is still buffered (after an error). */
+void fp_stream_abort(struct fp_engine *e);
+uint64_t fp_stream_offset(const struct fp_engine *e);
+int fp_stream_direct(const struct fp_engine *e);
+
+/*
+ * Reads n bytes at `offset` into dst. When dst and offset are aligned alike,
+ * the aligned middle is read straight into dst with O_DIRECT requests, up to
+ * queue_depth in flight; otherwise it goes through the engine's buffers.
+ * Returns the number of bytes read (less than n only at end of file).
+ */
+int64_t fp_pread(struct fp_engine *e, int direct_fd, int buffered_fd, void *dst,
+                 size_t n, uint64_t offset);
+
+/* CRC-32 as zlib computes it, with the fastest implementation built in. */
+uint32_t fp_crc32(uint32_t crc, const void *buf, size_t n);
+
+#endif

@@ -1,0 +1,92 @@
+"""fastpersist's settings: defaults, ``FASTPERSIST_*`` environment variables,
+``patch(**options)`` and per-call keyword arguments, in rising precedence."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+ENGINES = ("auto", "io_uring", "libaio", "psync")
+MiB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """How fastpersist writes and reads.
+
+    engine: ``auto`` picks io_uring, then libaio, then psync, whichever the
+        kernel accepts at run time.
+    buffer_size: bytes per page-locked bounce buffer (multiple of 4096).
+    num_buffers: bounce buffers (>= 2): one is filled while others are written.
+    queue_depth: I/O requests in flight at most.
+    request_size: bytes per I/O request (multiple of 4096).
+    direct: use O_DIRECT where the filesystem accepts it.
+    fsync: make the file (and its folder entry) durable before returning.
+    atomic: write a temporary file and rename it over the destination, so a
+        failed save leaves the previous file untouched.
+    lock_memory: mlock the bounce buffers.
+    """
+
+    engine: str = "auto"
+    buffer_size: int = 16 * MiB
+    num_buffers: int = 4
+    queue_depth: int = 32
+    request_size: int = 1 * MiB
+    direct: bool = True
+    fsync: bool = True
+    atomic: bool = True
+    lock_memory: bool = True
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"fastpersist option engine={self.engine!r}: expected one of {ENGINES}")
+        for name in ("buffer_size", "request_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0 or value % 4096:
+                raise ValueError(f"fastpersist option {name}={value!r}: expected a positive multiple of 4096")
+        if not isinstance(self.num_buffers, int) or self.num_buffers < 2:
+            raise ValueError(f"fastpersist option num_buffers={self.num_buffers!r}: expected an integer >= 2")
+        if not isinstance(self.queue_depth, int) or not 1 <= self.queue_depth <= 4096:
+            raise ValueError(f"fastpersist option queue_depth={self.queue_depth!r}: expected 1..4096")
+        if self.request_size > self.buffer_size:
+            raise ValueError(
+                f"fastpersist option request_size={self.request_size} is larger than buffer_size={self.buffer_size}"
+            )
+
+    def replace(self, **overrides) -> "Options":
+        known = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise TypeError(f"unknown fastpersist option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return dataclasses.replace(self, **{k: _coerce(k, v) for k, v in overrides.items()})
+
+
+_SIZE = re.compile(r"^\s*(\d+)\s*([kmg]i?b?)?\s*$", re.IGNORECASE)
+_BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+def _coerce(name: str, value):
+    """Turns strings (from the environment) into the option's type."""
+    kind = {f.name: f.type for f in dataclasses.fields(Options)}[name]
+    if not isinstance(value, str) or kind == "str":
+        return value
+    if kind == "bool":
+        try:
+            return _BOOLS[value.strip().lower()]
+        except KeyError:
+            raise ValueError(f"fastpersist option {name}={value!r}: expected 1/0, true/false, yes/no or on/off") from None
+    match = _SIZE.match(value)
+    if not match:
+        raise ValueError(f"fastpersist option {name}={value!r}: expected an integer, optionally with K, M or G")
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[(match.group(2) or "")[:1].lower()]
+    return int(match.group(1)) * scale
+
+
+def from_environment(environ=os.environ) -> Options:
+    """Defaults overridden by FASTPERSIST_<OPTION> variables."""
+    overrides = {}
+    for field in dataclasses.fields(Options):
+        value = environ.get("FASTPERSIST_" + field.name.upper())
+        if value is not None and value != "":
+            overrides[field.name] = value
+    return Options().replace(**overrides)
