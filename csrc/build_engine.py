@@ -73,7 +73,8 @@ ffibuilder.cdef(
     int fp_engine_num_buffers(const struct fp_engine *e);
     const char *fp_last_error_op(const struct fp_engine *e);
     uint64_t fp_last_error_offset(const struct fp_engine *e);
-    int fp_stream_begin(struct fp_engine *e, int direct_fd, int buffered_fd, uint64_t offset);
+    int fp_stream_begin(struct fp_engine *e, int direct_fd, int buffered_fd, uint64_t offset,
+                        uint64_t prealloc_step);
     int fp_stream_write(struct fp_engine *e, const void *src, size_t n, uint32_t *crc);
     int fp_stream_zero(struct fp_engine *e, size_t n);
     int fp_stream_end(struct fp_engine *e);

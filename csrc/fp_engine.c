@@ -2,6 +2,7 @@
  * pread. The kernel interface lives in the backends (fp_backend_*.c). */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -300,7 +301,8 @@ static int queue_range(struct fp_engine *e, int fd, int is_write, int is_direct,
 
 /* ---- write stream ----------------------------------------------------- */
 
-int fp_stream_begin(struct fp_engine *e, int direct_fd, int buffered_fd, uint64_t offset)
+int fp_stream_begin(struct fp_engine *e, int direct_fd, int buffered_fd, uint64_t offset,
+                    uint64_t prealloc_step)
 {
     if (e->stream_active)
         return -EBUSY;
@@ -315,12 +317,28 @@ int fp_stream_begin(struct fp_engine *e, int direct_fd, int buffered_fd, uint64_
     e->buffered_fd = buffered_fd;
     e->direct = direct_fd >= 0;
     e->pos = offset;
+    e->prealloc_step = prealloc_step;
+    e->alloc_end = offset;
     e->cur = 0;
     /* With O_DIRECT, buffer bytes map to file offsets modulo the alignment,
      * so whole blocks can be written straight from the buffer. */
     e->cur_base = e->direct ? align_down(offset) : offset;
     e->cur_start = e->cur_fill = (size_t)(offset - e->cur_base);
     return 0;
+}
+
+/* Extends the file ahead of the writes (see fp_stream_begin). */
+static void preallocate(struct fp_engine *e, uint64_t end)
+{
+    if (!e->prealloc_step || end <= e->alloc_end)
+        return;
+    uint64_t target = e->alloc_end + e->prealloc_step;
+    if (target < end)
+        target = end;
+    if (fallocate(e->buffered_fd, 0, (off_t)e->alloc_end, (off_t)(target - e->alloc_end)) == 0)
+        e->alloc_end = target;
+    else
+        e->prealloc_step = 0; /* unsupported, or no room: the writes will tell */
 }
 
 /* Queues the valid bytes of the current buffer. */
@@ -330,6 +348,7 @@ static int flush_current(struct fp_engine *e)
     size_t start = e->cur_start, fill = e->cur_fill;
     if (fill == start)
         return e->error;
+    preallocate(e, e->cur_base + fill);
     if (!e->direct) {
         queue_range(e, e->buffered_fd, 1, 0, e->cur, buf + start, fill - start,
                     e->cur_base + start);
@@ -416,6 +435,8 @@ int fp_stream_end(struct fp_engine *e)
     if (!e->error)
         flush_current(e);
     wait_all(e);
+    if (!e->error && e->alloc_end > e->pos && ftruncate(e->buffered_fd, (off_t)e->pos) != 0)
+        set_error(e, -errno, "ftruncate", e->pos);
     e->stream_active = 0;
     return e->error;
 }

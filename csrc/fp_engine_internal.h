@@ -57,6 +57,8 @@ struct fp_engine {
     int cur;                /* buffer being filled */
     uint64_t cur_base;      /* file offset of byte 0 of the current buffer */
     size_t cur_start, cur_fill;
+    uint64_t prealloc_step; /* 0: not the only writer, or fallocate refused */
+    uint64_t alloc_end;     /* the file's size as extended by fallocate */
 
     /* pread */
     uint64_t read_eof;      /* lowest offset where a read hit end of file */

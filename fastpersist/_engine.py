@@ -90,10 +90,12 @@ class Engine:
         return rc
 
     # -- write stream ---------------------------------------------------
-    def begin(self, direct_fd: int, buffered_fd: int, offset: int, path: Optional[str]) -> None:
+    def begin(self, direct_fd: int, buffered_fd: int, offset: int, path: Optional[str],
+              prealloc_step: int = 0) -> None:
+        """Starts a write stream at offset; prealloc_step > 0 only for the file's sole writer."""
         lib, _ = _load()
         self._path = path
-        self._check(lib.fp_stream_begin(self._handle, direct_fd, buffered_fd, offset), "begin")
+        self._check(lib.fp_stream_begin(self._handle, direct_fd, buffered_fd, offset, prealloc_step), "begin")
 
     def write(self, data) -> int:
         """Appends a bytes-like object; returns its length."""

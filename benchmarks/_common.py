@@ -1,0 +1,144 @@
+"""Shared by the save benchmarks: run mechanisms interleaved, report medians.
+
+Every mechanism runs once per round, in the same process and order, so
+machine noise hits them alike; the line printed per mechanism is the median
+round, in the FastPersist micro-benchmarks' format:
+``NAME -- X.XX GB, Y.YY secs, Z.ZZ GB/s`` (GB = 10^9 bytes).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from typing import Callable
+
+
+def common_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--folder", default=None,
+                        help="where checkpoints are written (default: a temporary folder under /var/tmp)")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds; the median is reported")
+    parser.add_argument("--engines", default="available",
+                        help="comma-separated fastpersist engines, or 'available' for every usable one")
+    parser.add_argument("--no-vanilla", action="store_true", help="skip vanilla torch.save")
+
+
+def _clear_peak_rss() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+    except OSError:
+        pass
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+class Runner:
+    def __init__(self, folder: str | None):
+        self._tmp = None
+        if folder is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="fastpersist-bench-", dir="/var/tmp")
+            folder = self._tmp.name
+        os.makedirs(folder, exist_ok=True)
+        self.folder = folder
+        self.results: dict[str, list[float]] = {}
+        self.extra_rss: dict[str, list[int]] = {}
+        self.nbytes: dict[str, int] = {}
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.folder, name.replace("[", "_").replace("]", "") + ".pt")
+
+    def run(self, name: str, fn: Callable[[str], int]) -> None:
+        """fn(path) writes path and returns bytes written; timed with its fsync."""
+        path = self.path(name)
+        if os.path.exists(path):
+            os.unlink(path)
+        _clear_peak_rss()
+        rss = _status_kib("VmRSS")
+        start = time.perf_counter()
+        nbytes = fn(path)
+        seconds = time.perf_counter() - start
+        self.extra_rss.setdefault(name, []).append(max(0, _status_kib("VmHWM") - rss) * 1024)
+        self.results.setdefault(name, []).append(seconds)
+        self.nbytes[name] = nbytes
+        os.unlink(path)
+
+    def report(self) -> None:
+        for name, times in self.results.items():
+            secs = statistics.median(times)
+            gb = self.nbytes[name] / 1e9
+            extra = statistics.median(self.extra_rss[name]) / 2**20
+            print(f"{name} -- {gb:.2f} GB, {secs:.2f} secs, {gb / secs:.2f} GB/s"
+                  f"   (rounds {', '.join(f'{t:.2f}' for t in times)}; extra RSS {extra:.0f} MiB)", flush=True)
+
+    def close(self) -> None:
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+
+def usable_engines(selection: str) -> list[str]:
+    from fastpersist import _engine
+    from fastpersist.options import Options
+
+    wanted = _engine.compiled_engines() if selection == "available" else selection.split(",")
+    usable = []
+    for kind in ("io_uring", "libaio", "psync"):
+        if kind not in wanted:
+            continue
+        try:
+            _engine.release(_engine.acquire(Options(engine=kind)))
+            usable.append(kind)
+        except OSError as exc:
+            print(f"# engine {kind} unusable here: {exc}")
+    return usable
+
+
+def vanilla_save(obj) -> Callable[[str], int]:
+    """torch.save as shipped, plus the fsync that makes it comparable."""
+    import fastpersist.patching
+    original = fastpersist.patching.original_save()
+
+    def run(path: str) -> int:
+        original(obj, path)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return os.path.getsize(path)
+    return run
+
+
+def fastpersist_save(obj, engine: str) -> Callable[[str], int]:
+    import fastpersist
+
+    def run(path: str) -> int:
+        fastpersist.save(obj, path, engine=engine)
+        return os.path.getsize(path)
+    return run
+
+
+def raw_engine_write(source, nbytes: int, engine: str) -> Callable[[str], int]:
+    """The ceiling: the engine writing nbytes from memory already touched,
+    fsync included, with no format and no CRC."""
+    from fastpersist import FastFileWriter
+
+    address = source.data_ptr()
+    span = source.untyped_storage().nbytes()
+
+    def run(path: str) -> int:
+        with FastFileWriter(path, exclusive=True, engine=engine) as w:
+            left = nbytes
+            while left:
+                n = min(left, span)
+                w.write_address(address, n)
+                left -= n
+        return nbytes
+    return run

@@ -1,0 +1,69 @@
+"""Routes torch.save through fastpersist: patch(), unpatch(), is_patched()."""
+from __future__ import annotations
+
+import functools
+import pickle
+import threading
+from typing import Callable, Optional
+
+import torch
+import torch.serialization
+
+from .options import Options, from_environment
+
+_lock = threading.RLock()
+_original_save: Callable = torch.serialization.save
+if getattr(_original_save, "__fastpersist__", False):  # module re-import: keep the true original
+    _original_save = _original_save.__wrapped__
+_patched_options: Optional[Options] = None
+
+
+def original_save() -> Callable:
+    """torch.save as it was before fastpersist patched it."""
+    return _original_save
+
+
+def current_options() -> Options:
+    """Options of the last patch(), else the environment's."""
+    return _patched_options if _patched_options is not None else from_environment()
+
+
+@functools.wraps(_original_save)
+def _fast_save(obj, f, pickle_module=pickle, pickle_protocol=torch.serialization.DEFAULT_PROTOCOL,
+               _use_new_zipfile_serialization=True, _disable_byteorder_record=False):
+    from .save import save
+
+    return save(obj, f, pickle_module, pickle_protocol, _use_new_zipfile_serialization, _disable_byteorder_record)
+
+
+_fast_save.__fastpersist__ = True
+
+
+def patch(**options) -> None:
+    """Makes torch.save (and torch.serialization.save) write through fastpersist.
+
+    ``options`` (see :class:`fastpersist.Options`) become the defaults of
+    every patched save; unset ones come from ``FASTPERSIST_*`` variables.
+    Calling it again replaces the options; it is harmless to call twice.
+    """
+    global _patched_options
+    opts = from_environment().replace(**options)  # raises on bad options before changing anything
+    with _lock:
+        _patched_options = opts
+        torch.save = _fast_save
+        torch.serialization.save = _fast_save
+
+
+def unpatch() -> None:
+    """Restores the original torch.save; harmless when not patched."""
+    global _patched_options
+    with _lock:
+        _patched_options = None
+        if torch.save is _fast_save:
+            torch.save = _original_save
+        if torch.serialization.save is _fast_save:
+            torch.serialization.save = _original_save
+
+
+def is_patched() -> bool:
+    return torch.save is _fast_save and torch.serialization.save is _fast_save
