@@ -12,7 +12,9 @@ import torch.serialization
 from .options import Options, from_environment
 
 _lock = threading.RLock()
-_original_save: Callable = torch.serialization.save
+# With the source patch (patches/) applied, torch.serialization.save itself
+# calls fastpersist and keeps torch's own body as _fastpersist_vanilla_save.
+_original_save: Callable = getattr(torch.serialization, "_fastpersist_vanilla_save", torch.serialization.save)
 if getattr(_original_save, "__fastpersist__", False):  # module re-import: keep the true original
     _original_save = _original_save.__wrapped__
 _patched_options: Optional[Options] = None
