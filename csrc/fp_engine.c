@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "fp_engine_internal.h"
@@ -318,6 +319,7 @@ int fp_stream_begin(struct fp_engine *e, int direct_fd, int buffered_fd, uint64_
     e->direct = direct_fd >= 0;
     e->pos = offset;
     e->prealloc_step = prealloc_step;
+    e->sole_writer = prealloc_step > 0;
     e->alloc_end = offset;
     e->cur = 0;
     /* With O_DIRECT, buffer bytes map to file offsets modulo the alignment,
@@ -335,10 +337,16 @@ static void preallocate(struct fp_engine *e, uint64_t end)
     uint64_t target = e->alloc_end + e->prealloc_step;
     if (target < end)
         target = end;
-    if (fallocate(e->buffered_fd, 0, (off_t)e->alloc_end, (off_t)(target - e->alloc_end)) == 0)
+    if (fallocate(e->buffered_fd, 0, (off_t)e->alloc_end, (off_t)(target - e->alloc_end)) == 0) {
         e->alloc_end = target;
-    else
-        e->prealloc_step = 0; /* unsupported, or no room: the writes will tell */
+    } else {
+        /* Unsupported, or no room: the writes will tell. A refused fallocate
+         * may have allocated (and grown the file) part way; every write so
+         * far lies below alloc_end, so cutting there is safe and frees it. */
+        e->prealloc_step = 0;
+        if (ftruncate(e->buffered_fd, (off_t)e->alloc_end) != 0)
+            set_error(e, -errno, "ftruncate", e->alloc_end);
+    }
 }
 
 /* Queues the valid bytes of the current buffer. */
@@ -435,8 +443,14 @@ int fp_stream_end(struct fp_engine *e)
     if (!e->error)
         flush_current(e);
     wait_all(e);
-    if (!e->error && e->alloc_end > e->pos && ftruncate(e->buffered_fd, (off_t)e->pos) != 0)
-        set_error(e, -errno, "ftruncate", e->pos);
+    if (!e->error && e->sole_writer) {
+        /* The sole writer's file ends exactly where the stream does. */
+        struct stat st;
+        if (fstat(e->buffered_fd, &st) != 0)
+            set_error(e, -errno, "fstat", e->pos);
+        else if ((uint64_t)st.st_size != e->pos && ftruncate(e->buffered_fd, (off_t)e->pos) != 0)
+            set_error(e, -errno, "ftruncate", e->pos);
+    }
     e->stream_active = 0;
     return e->error;
 }

@@ -59,6 +59,7 @@ struct fp_engine {
     size_t cur_start, cur_fill;
     uint64_t prealloc_step; /* 0: not the only writer, or fallocate refused */
     uint64_t alloc_end;     /* the file's size as extended by fallocate */
+    int sole_writer;        /* the stream owns the whole file: cut it to size at the end */
 
     /* pread */
     uint64_t read_eof;      /* lowest offset where a read hit end of file */

@@ -92,10 +92,13 @@ def save_to_path(obj, path: str, opts: Options, pickle_module=pickle, pickle_pro
             os.replace(write_path, target)
             if opts.fsync:
                 _fsync_folder(folder)
-    except BaseException:
+    except BaseException as exc:
         writer.abort()
         if opts.atomic:
             _remove_quietly(write_path)
+        if isinstance(exc, OSError) and exc.filename == write_path != path:
+            # name the file the user asked for; the temporary one is gone
+            raise OSError(exc.errno, f"{exc.strerror} (fastpersist: writing {write_path})", path) from exc
         raise
     return size
 

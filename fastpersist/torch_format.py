@@ -13,6 +13,7 @@ so the whole layout is known before a byte of tensor data is written.
 from __future__ import annotations
 
 import secrets
+import sys
 import struct
 import zlib
 from dataclasses import dataclass
@@ -97,8 +98,10 @@ class ZipLayout:
     """Assigns offsets to records in order and builds their header bytes."""
 
     def __init__(self, archive_name: str, alignment: int = 64, start: int = 0):
-        if alignment <= 0:
-            raise ValueError(f"storage_alignment must be positive, got {alignment}")
+        if not 0 < alignment <= 65536:
+            # The padding's length is a 16-bit field: torch itself writes a
+            # corrupt archive past this, so refuse clearly instead.
+            raise ValueError(f"storage_alignment must be between 1 and 65536, got {alignment}")
         self.prefix = archive_name + "/"
         self.alignment = alignment
         self.cursor = start
@@ -226,6 +229,9 @@ class TorchZipWriter:
         """Writes the records torch adds at the end and the central directory;
         returns the archive's size."""
         self.write_record("version", produced_format_version(), len(produced_format_version()))
+        if not any(r.name == self.layout.prefix + "byteorder" for r in self.layout.records):
+            # torch's writer adds it even under _disable_byteorder_record
+            self.write_record("byteorder", sys.byteorder, len(sys.byteorder))
         sid = (serialization_id or new_serialization_id()).encode("ascii")
         self.write_record(".data/serialization_id", sid, len(sid))
         self.sink.write(self.layout.central_directory())

@@ -1,0 +1,6 @@
+"""``python -m fastpersist ...``: the same as the ``fastpersist`` command."""
+import sys
+
+from .cli import main
+
+sys.exit(main())

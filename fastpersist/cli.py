@@ -1,0 +1,357 @@
+"""The ``fastpersist`` command line: ``fastpersist info [--folder PATH] [--json]``.
+
+Each subcommand is a ``_cmd_<name>(args) -> int`` function registered in
+``_build_parser``; add new ones (``bench``, ...) the same way. Importing this
+module builds nothing and touches no GPU: the C engine is loaded and CUDA is
+queried only while a command runs.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import dataclasses
+import errno
+import json
+import mmap
+import os
+import platform
+import resource
+import secrets
+import sys
+from typing import Any, Optional
+
+import fastpersist
+
+MiB = 1 << 20
+
+
+# ---------------------------------------------------------------------------
+# helpers
+
+
+def _errno_text(exc: OSError) -> str:
+    """'EINVAL: Invalid argument' style text for an OSError."""
+    name = errno.errorcode.get(exc.errno or 0)
+    reason = exc.strerror or str(exc)
+    return f"{name}: {reason}" if name else reason
+
+
+def _read_text(path: str) -> Optional[str]:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            return fh.read().strip()
+    except OSError:
+        return None
+
+
+def _limit_text(value: int) -> str:
+    if value == resource.RLIM_INFINITY:
+        return "unlimited"
+    mib = value / MiB
+    return f"{mib:g} MiB" if value % MiB == 0 else f"{mib:.3f} MiB"
+
+
+def _unescape_mountinfo(field: str) -> str:
+    """mountinfo writes space, tab, newline and backslash as \\ooo octal."""
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and i + 3 < len(field) and set(field[i + 1:i + 4]) <= set("01234567"):
+            out.append(chr(int(field[i + 1:i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+def filesystem_of(folder: str, mountinfo: str = "/proc/self/mountinfo") -> Optional[dict]:
+    """The mount holding folder: {'type', 'mount_point', 'source'}, or None."""
+    path = os.path.realpath(folder)
+    best: Optional[dict] = None
+    try:
+        with open(mountinfo, encoding="utf-8", errors="replace") as fh:
+            lines = fh.readlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split()
+        try:
+            sep = fields.index("-", 6)
+        except ValueError:
+            continue
+        if len(fields) < sep + 3 or len(fields) < 5:
+            continue
+        mount_point = _unescape_mountinfo(fields[4])
+        inside = (mount_point == "/" or path == mount_point
+                  or path.startswith(mount_point.rstrip("/") + "/"))
+        if not inside:
+            continue
+        # ">=": a later mount on the same point hides the earlier one
+        if best is None or len(mount_point) >= len(best["mount_point"]):
+            best = {"type": fields[sep + 1], "mount_point": mount_point,
+                    "source": _unescape_mountinfo(fields[sep + 2])}
+    return best
+
+
+def probe_o_direct(folder: str) -> str:
+    """'yes' when folder takes an aligned 4096-byte O_DIRECT write, else 'no (ERRNO)'.
+
+    A temporary file is created in folder and always removed again.
+    """
+    if not hasattr(os, "O_DIRECT"):
+        return "no (O_DIRECT not available on this platform)"
+    path = os.path.join(folder, f".fastpersist-info-{secrets.token_hex(4)}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags | os.O_DIRECT, 0o600)
+    except OSError as exc:
+        _remove_quietly(path)
+        if exc.errno == errno.EINVAL:
+            return "no (EINVAL at open)"
+        return f"unknown (cannot create a file: {_errno_text(exc)})"
+    try:
+        buf = mmap.mmap(-1, 4096)  # anonymous maps are page-aligned
+        try:
+            buf.write(b"fastpersist" * 372)
+            written = os.pwrite(fd, buf, 0)
+        finally:
+            buf.close()
+        if written != 4096:
+            return f"no (short write of {written} bytes)"
+        return "yes"
+    except OSError as exc:
+        name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+        return f"no ({name})"
+    finally:
+        os.close(fd)
+        _remove_quietly(path)
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def find_cufile() -> Optional[str]:
+    """Where libcufile is, or None; prefers the full path of the loaded library."""
+    candidates = []
+    found = ctypes.util.find_library("cufile")
+    if found:
+        candidates.append(found)
+    candidates += ["libcufile.so.0", "libcufile.so"]
+    for name in candidates:
+        try:
+            ctypes.CDLL(name)
+        except OSError:
+            continue
+        maps = _read_text("/proc/self/maps") or ""
+        for line in maps.splitlines():
+            parts = line.split(None, 5)
+            if len(parts) == 6 and "libcufile" in os.path.basename(parts[5]):
+                return parts[5]
+        return name
+    return found  # found by name but not loadable here
+
+
+def _engine_probe(options) -> dict:
+    """Starts each compiled engine once; reports which start and the auto pick."""
+    from . import _engine
+
+    result: dict[str, Any] = {"compiled": None, "start": {}, "auto": None,
+                              "memory_locked": None, "lock_error": None, "error": None}
+    try:
+        compiled = _engine.compiled_engines()
+    except ImportError as exc:
+        result["error"] = str(exc)
+        return result
+    result["compiled"] = compiled
+    started = set()
+    for kind in compiled:
+        try:
+            engine = _engine.Engine(kind, options)
+        except OSError as exc:
+            result["start"][kind] = exc.strerror or str(exc)
+            continue
+        started.add(kind)
+        result["start"][kind] = "OK"
+        if result["memory_locked"] is None:
+            result["memory_locked"] = engine.memory_locked
+            if not engine.memory_locked and engine.lock_errno:
+                result["lock_error"] = _errno_text(OSError(engine.lock_errno, os.strerror(engine.lock_errno)))
+        del engine  # frees its buffers now
+    result["auto"] = next((kind for kind in _engine._AUTO_ORDER if kind in started), None)
+    return result
+
+
+def _cuda_probe() -> dict:
+    import torch
+
+    info: dict[str, Any] = {"available": False, "device_count": 0,
+                            "torch_cuda_version": getattr(torch.version, "cuda", None)}
+    try:
+        info["available"] = bool(torch.cuda.is_available())
+        info["device_count"] = int(torch.cuda.device_count()) if info["available"] else 0
+    except Exception as exc:  # a broken driver should not break `info`
+        info["error"] = f"{type(exc).__name__}: {exc}"
+    return info
+
+
+# ---------------------------------------------------------------------------
+# info
+
+
+def gather_info(folder: str) -> dict:
+    """Everything `fastpersist info` reports, as JSON-friendly values."""
+    import cffi
+    import torch
+    import torch.serialization
+
+    from .options import Options
+    from .patching import current_options
+
+    try:
+        defaults: Any = dataclasses.asdict(current_options())
+    except (ValueError, TypeError) as exc:  # a bad FASTPERSIST_* variable
+        defaults = {"error": str(exc)}
+
+    engines = _engine_probe(Options())
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    folder = os.path.abspath(folder)
+
+    return {
+        "fastpersist_version": fastpersist.__version__,
+        "python_version": f"{platform.python_version()} ({platform.python_implementation()})",
+        "torch_version": torch.__version__,
+        "cffi_version": cffi.__version__,
+        "kernel_release": os.uname().release,
+        "engines_compiled": engines["compiled"],
+        "engine_error": engines["error"],
+        "engines_start": engines["start"],
+        "io_uring_disabled": _read_text("/proc/sys/kernel/io_uring_disabled"),
+        "auto_engine": engines["auto"],
+        "memory_locked": engines["memory_locked"],
+        "memory_lock_error": engines["lock_error"],
+        "rlimit_memlock": {"soft": _limit_text(soft), "hard": _limit_text(hard)},
+        "default_options": defaults,
+        "torch_save_patched": fastpersist.is_patched(),
+        "source_patch_applied": hasattr(torch.serialization, "_fastpersist_vanilla_save"),
+        "folder": folder,
+        "o_direct": probe_o_direct(folder),
+        "filesystem": filesystem_of(folder),
+        "cuda": _cuda_probe(),
+        "cufile": find_cufile(),
+        "nvidia_fs_loaded": os.path.exists("/proc/driver/nvidia-fs"),
+    }
+
+
+def _yes_no(value: Optional[bool]) -> str:
+    return "unknown" if value is None else ("yes" if value else "no")
+
+
+def _format_options(options: dict) -> str:
+    if "error" in options:
+        return f"invalid ({options['error']})"
+    parts = []
+    for key, value in options.items():
+        if isinstance(value, bool):
+            value = int(value)
+        elif key in ("buffer_size", "request_size") and value % MiB == 0:
+            value = f"{value // MiB}M"
+        parts.append(f"{key}={value}")
+    return " ".join(parts)
+
+
+def format_info(info: dict) -> list[str]:
+    """The text form of gather_info(): aligned 'key: value' lines."""
+    rows: list[tuple[str, str]] = [
+        ("fastpersist", info["fastpersist_version"]),
+        ("python", info["python_version"]),
+        ("torch", info["torch_version"]),
+        ("cffi", info["cffi_version"]),
+        ("kernel", info["kernel_release"]),
+    ]
+    if info["engine_error"]:
+        rows.append(("engines compiled", f"unavailable ({info['engine_error']})"))
+    else:
+        rows.append(("engines compiled", ", ".join(info["engines_compiled"]) or "none"))
+        for kind, state in info["engines_start"].items():
+            rows.append((f"engine {kind}", state))
+    if info["io_uring_disabled"] is not None:
+        rows.append(("kernel.io_uring_disabled", info["io_uring_disabled"]))
+    rows.append(("auto engine", info["auto_engine"] or "none can start"))
+    locked = _yes_no(info["memory_locked"])
+    if info["memory_lock_error"]:
+        locked += f" ({info['memory_lock_error']})"
+    rows.append(("buffers mlocked", locked))
+    limit = info["rlimit_memlock"]
+    rows.append(("RLIMIT_MEMLOCK", f"soft {limit['soft']}, hard {limit['hard']}"))
+    rows.append(("default options", _format_options(info["default_options"])))
+    rows.append(("torch.save patched", _yes_no(info["torch_save_patched"])))
+    rows.append(("source patch applied", _yes_no(info["source_patch_applied"])))
+    rows.append(("folder", info["folder"]))
+    rows.append(("O_DIRECT", info["o_direct"]))
+    fs = info["filesystem"]
+    rows.append(("filesystem", f"{fs['type']} (mount point {fs['mount_point']}, source {fs['source']})"
+                 if fs else "unknown"))
+    cuda = info["cuda"]
+    if "error" in cuda:
+        cuda_text = f"error ({cuda['error']})"
+    elif cuda["available"]:
+        cuda_text = f"yes, {cuda['device_count']} device(s)"
+    else:
+        cuda_text = "no"
+    if cuda["torch_cuda_version"]:
+        cuda_text += f" (torch built with CUDA {cuda['torch_cuda_version']})"
+    else:
+        cuda_text += " (CPU-only torch build)"
+    rows.append(("CUDA", cuda_text))
+    rows.append(("cuFile", info["cufile"] or "not found"))
+    rows.append(("nvidia-fs loaded", _yes_no(info["nvidia_fs_loaded"])))
+    width = max(len(key) for key, _ in rows) + 1
+    return [f"{key + ':':<{width}} {value}" for key, value in rows]
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    info = gather_info(args.folder)
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        print("\n".join(format_info(info)))
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# entry point
+
+
+def _existing_folder(value: str) -> str:
+    if not os.path.isdir(value):
+        raise argparse.ArgumentTypeError(f"not a folder: {value}")
+    return value
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fastpersist", description="fastpersist: fast torch.save")
+    parser.add_argument("--version", action="version", version=f"fastpersist {fastpersist.__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.required = True
+
+    info = commands.add_parser("info", help="report versions, engines, limits and what the storage accepts",
+                               description="Report what fastpersist can use on this machine.")
+    info.add_argument("--folder", type=_existing_folder, default=os.curdir,
+                      help="folder to test for O_DIRECT and filesystem type (default: current folder)")
+    info.add_argument("--json", action="store_true", help="print a JSON object instead of text")
+    info.set_defaults(func=_cmd_info)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = _build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

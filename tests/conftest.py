@@ -1,0 +1,101 @@
+import contextlib
+import logging
+import os
+import subprocess
+import uuid
+
+import pytest
+import torch
+
+os.environ.setdefault("FASTPERSIST_AUTOPATCH", "0")
+
+import fastpersist  # noqa: E402
+from fastpersist import _engine  # noqa: E402
+from fastpersist.options import Options  # noqa: E402
+
+# Small buffers so that modest payloads span many buffers and requests.
+SMALL = dict(buffer_size=64 << 10, num_buffers=2, request_size=16 << 10, queue_depth=8)
+
+
+def usable_engines():
+    usable = []
+    for kind in _engine.compiled_engines():
+        try:
+            _engine.release(_engine.acquire(Options(engine=kind, **SMALL)))
+            usable.append(kind)
+        except OSError:
+            pass
+    return usable
+
+
+ENGINES = usable_engines()
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request):
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def _restore_patching():
+    """Every test starts unpatched, with torch's own save, and ends so."""
+    fastpersist.unpatch()
+    yield
+    fastpersist.unpatch()
+    assert torch.save is fastpersist.patching.original_save()
+
+
+@pytest.fixture
+def folder(tmp_path):
+    """A folder on a real disk filesystem (tmp_path is on the root filesystem here)."""
+    return tmp_path
+
+
+def vanilla_load(path, **kwargs):
+    """torch.load without any fastpersist involvement."""
+    assert not fastpersist.is_patched()
+    return torch.load(path, weights_only=False, **kwargs)
+
+
+def leftovers(folder):
+    return sorted(name for name in os.listdir(folder) if "fastpersist" in name)
+
+
+@contextlib.contextmanager
+def mounted(fstype, size_kib=None, options=""):
+    """Mounts a small filesystem of fstype on a fresh folder; skips the test
+    where mounting is not permitted (no root, no loop devices)."""
+    base = f"/tmp/fastpersist-mnt-{uuid.uuid4().hex[:8]}"
+    os.makedirs(base)
+    image = None
+    try:
+        if fstype == "ext4":
+            image = base + ".img"
+            with open(image, "wb") as f:
+                f.truncate(size_kib * 1024)
+            mkfs = subprocess.run(["mkfs.ext4", "-q", "-F", image], capture_output=True)
+            if mkfs.returncode:
+                pytest.skip(f"mkfs.ext4 unavailable: {mkfs.stderr.decode()[:200]}")
+            cmd = ["mount", "-o", "loop" + ("," + options if options else ""), image, base]
+        else:
+            opts = ",".join(x for x in (f"size={size_kib}k" if size_kib else "", options) if x)
+            cmd = ["mount", "-t", fstype] + (["-o", opts] if opts else []) + [fstype, base]
+        result = subprocess.run(cmd, capture_output=True)
+        if result.returncode:
+            pytest.skip(f"cannot mount {fstype} here: {result.stderr.decode().strip()[:200]}")
+        try:
+            yield base
+        finally:
+            subprocess.run(["umount", "-l", base], capture_output=True)
+    finally:
+        with contextlib.suppress(OSError):
+            os.rmdir(base)
+        if image:
+            with contextlib.suppress(OSError):
+                os.unlink(image)
+
+
+@pytest.fixture
+def log_records(caplog):
+    caplog.set_level(logging.DEBUG, logger="fastpersist")
+    return caplog

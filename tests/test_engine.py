@@ -1,0 +1,179 @@
+"""The C engine through its binding: real files, every engine, awkward sizes and offsets."""
+import ctypes
+import errno
+import os
+import zlib
+
+import numpy as np
+import pytest
+
+from fastpersist import FastFileWriter, _engine
+from fastpersist.options import Options
+
+from conftest import ENGINES, SMALL, mounted
+
+SIZES = [0, 1, 4095, 4096, 4097, 3 * (64 << 10) + 123]  # the last spans several 64 KiB buffers
+PAYLOAD = np.random.default_rng(0).integers(0, 256, size=1 << 20, dtype=np.uint8)
+
+
+def aligned_array(nbytes, shift=0):
+    raw = np.empty(nbytes + 2 * 4096, dtype=np.uint8)
+    start = (-raw.ctypes.data) % 4096 + shift
+    return raw, raw[start:start + nbytes]
+
+
+def test_all_engines_compiled_here():
+    # liburing-dev and libaio-dev are installed by the project's set-up.
+    assert _engine.compiled_engines() == ["psync", "libaio", "io_uring"]
+    assert "psync" in ENGINES
+
+
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("offset", [0, 1, 4096, 5000])
+@pytest.mark.parametrize("size", SIZES)
+def test_write_then_read_back(tmp_path, engine, direct, offset, size):
+    path = tmp_path / "f.bin"
+    data = PAYLOAD[:size]
+    with FastFileWriter(path, offset, engine=engine, direct=direct, **SMALL) as w:
+        # uneven pieces so buffer boundaries fall everywhere
+        pos = 0
+        for piece in (1, 4095, 70000, 3, 1 << 20):
+            n = min(piece, size - pos)
+            w.write_address(data[pos:].ctypes.data, n)
+            pos += n
+        assert w.tell() == offset + size
+    content = path.read_bytes()
+    assert len(content) == (offset + size if size else 0) or (size == 0 and len(content) == 0)
+    assert content[offset:] == data.tobytes()
+    assert content[:offset] == b"\0" * offset or size == 0
+
+    e = _engine.acquire(Options(engine=engine, **SMALL))
+    try:
+        for shift in (offset % 4096, 0, 1):  # aligned alike (O_DIRECT straight in) and not (bounced)
+            raw, dst = aligned_array(size, shift)
+            bfd = os.open(path, os.O_RDONLY)
+            dfd = os.open(path, os.O_RDONLY | os.O_DIRECT) if direct else -1
+            try:
+                got = e.pread_into(dfd, bfd, dst.ctypes.data, size, offset, str(path))
+            finally:
+                os.close(bfd)
+                if dfd >= 0:
+                    os.close(dfd)
+            assert got == size
+            assert dst.tobytes() == data.tobytes()
+    finally:
+        _engine.release(e)
+
+
+def test_crc_matches_zlib(engine, tmp_path):
+    data = PAYLOAD[: 300_001]
+    with FastFileWriter(tmp_path / "c.bin", engine=engine, **SMALL) as w:
+        crc = w.write_address(data.ctypes.data, 100, 0)
+        crc = w.write_address(data[100:].ctypes.data, len(data) - 100, crc)
+    assert crc == zlib.crc32(data.tobytes())
+    assert _engine.crc32(b"hello world") == zlib.crc32(b"hello world")
+
+
+def test_read_past_end_of_file_is_short(engine, tmp_path):
+    path = tmp_path / "short.bin"
+    path.write_bytes(PAYLOAD[:10_000].tobytes())
+    e = _engine.acquire(Options(engine=engine, **SMALL))
+    try:
+        raw, dst = aligned_array(20_000)
+        bfd = os.open(path, os.O_RDONLY)
+        dfd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            got = e.pread_into(dfd, bfd, dst.ctypes.data, 20_000, 0, str(path))
+        finally:
+            os.close(bfd)
+            os.close(dfd)
+        assert got == 10_000
+        assert dst[:10_000].tobytes() == PAYLOAD[:10_000].tobytes()
+    finally:
+        _engine.release(e)
+
+
+def test_several_writers_fill_one_file(engine, tmp_path):
+    """Disjoint, unaligned ranges written by separate streams form one exact file."""
+    path = tmp_path / "shared.bin"
+    data = PAYLOAD[:500_000]
+    bounds = [0, 7, 70_001, 262_144, 300_000, 500_000]
+    writers = [FastFileWriter(path, lo, engine=engine, **SMALL) for lo in bounds[:-1]]
+    for w, lo, hi in zip(writers, bounds, bounds[1:]):
+        w.write_address(data[lo:].ctypes.data, hi - lo)
+    for w in reversed(writers):
+        w.close()
+    assert path.read_bytes() == data.tobytes()
+
+
+def test_error_carries_errno_path_and_operation(engine, tmp_path):
+    e = _engine.acquire(Options(engine=engine, **SMALL))
+    try:
+        fd = os.open(tmp_path / "ro.bin", os.O_RDONLY | os.O_CREAT)
+        try:
+            e.begin(-1, fd, 0, str(tmp_path / "ro.bin"))
+            with pytest.raises(OSError) as info:
+                e.write(b"x" * 200_000)
+                e.end()
+            e.abort()
+        finally:
+            os.close(fd)
+        assert info.value.errno == errno.EBADF
+        assert info.value.filename == str(tmp_path / "ro.bin")
+        assert "write" in str(info.value)
+    finally:
+        _engine.release(e)
+
+
+def test_bad_engine_options_are_named():
+    with pytest.raises(ValueError, match="buffer_size"):
+        Options(buffer_size=1000)
+    with pytest.raises(ValueError, match="num_buffers"):
+        Options(num_buffers=1)
+    with pytest.raises(ValueError, match="engine"):
+        Options(engine="spdk")
+    with pytest.raises(TypeError, match="bufer_size"):
+        Options().replace(bufer_size=4096)
+
+
+def test_buffered_fallback_where_o_direct_is_refused(engine):
+    """ramfs refuses O_DIRECT at open: the same bytes go through the page cache."""
+    with mounted("ramfs") as mnt:
+        path = os.path.join(mnt, "f.bin")
+        data = PAYLOAD[:200_003]
+        with FastFileWriter(path, engine=engine, **SMALL) as w:
+            assert not w.direct
+            w.write(data)
+        with open(path, "rb") as f:
+            assert f.read() == data.tobytes()
+
+
+def test_unlocked_buffers_still_work(engine, tmp_path):
+    with FastFileWriter(tmp_path / "u.bin", engine=engine, lock_memory=False, **SMALL) as w:
+        w.write(b"abc" * 50_000)
+    assert (tmp_path / "u.bin").read_bytes() == b"abc" * 50_000
+
+
+def test_memlock_refusal_is_reported_once(tmp_path):
+    """Without CAP_IPC_LOCK and a tiny RLIMIT_MEMLOCK, mlock fails; saves still work."""
+    import shutil
+    import subprocess
+    import sys
+
+    if not shutil.which("capsh") or os.geteuid() != 0:
+        pytest.skip("needs root and capsh to drop CAP_IPC_LOCK")
+    script = (
+        "import logging, resource, torch, fastpersist, sys\n"
+        "logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
+        "resource.setrlimit(resource.RLIMIT_MEMLOCK, (65536, 65536))\n"
+        f"fastpersist.save({{'a': torch.arange(1000)}}, {str(tmp_path / 'm.pt')!r})\n"
+        f"fastpersist.save({{'a': torch.arange(1000)}}, {str(tmp_path / 'm.pt')!r})\n"
+        f"print('loaded', torch.load({str(tmp_path / 'm.pt')!r})['a'].sum().item())\n"
+    )
+    out = subprocess.run(
+        ["capsh", "--drop=cap_ipc_lock", "--", "-c", f"{sys.executable} -c \"$0\"", script],
+        capture_output=True, text=True, env={**os.environ, "FASTPERSIST_AUTOPATCH": "0"},
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("could not lock") == 1, out.stdout
+    assert "loaded 499500" in out.stdout
