@@ -1,0 +1,38 @@
+# fastpersist set-up: every target installs what it needs on a fresh Debian
+# machine (as root, or with sudo), then does its job.
+#   make bench   the default save benchmark (2 GB tensor, temporary folder)
+#   make test    the test suite
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+TORCH_VERSION ?= 2.13.0
+DEBS := build-essential liburing-dev libaio-dev libisal-dev zlib1g-dev e2fsprogs libcap2-bin mount
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+BENCH_ARGS ?= --size 2 --repeats 3
+
+.PHONY: deps build bench bench-model test clean
+
+deps:
+	@missing=""; for p in $(DEBS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+		echo "installing Debian packages:$$missing"; \
+		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; \
+	fi
+	@# torch first, pinned: the CPU build; an open requirement would pull CUDA wheels
+	@$(PYTHON) -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$(TORCH_VERSION)')" 2>/dev/null \
+		|| $(PIP) install -q torch==$(TORCH_VERSION)
+	$(PIP) install -q "cffi>=1.15" "setuptools>=64" wheel "pytest>=7" numpy
+
+build: deps
+	$(PIP) install -q --no-build-isolation -e .
+
+bench: build
+	$(PYTHON) benchmarks/torch_save_tensor.py $(BENCH_ARGS)
+
+bench-model: build
+	$(PYTHON) benchmarks/torch_save_model.py --model gpt2-large --repeats 3
+
+test: build
+	$(PYTHON) -m pytest -q tests
+
+clean:
+	rm -rf build *.egg-info fastpersist/_engine_cffi.* fastpersist/*.so
