@@ -54,38 +54,13 @@ if ("FP_HAVE_ISAL", "1") not in macros:
     libraries.append("z")  # CRC-32 from zlib instead
 
 ffibuilder = FFI()
-ffibuilder.cdef(
-    """
-    enum fp_engine_kind { FP_ENGINE_PSYNC = 0, FP_ENGINE_AIO = 1, FP_ENGINE_URING = 2 };
-    struct fp_config {
-        int kind; size_t buffer_size; int num_buffers; int queue_depth;
-        size_t request_size; int lock_memory;
-    };
-    struct fp_engine;
-    int fp_kind_compiled(int kind);
-    int fp_engine_create(const struct fp_config *cfg, struct fp_engine **out);
-    void fp_engine_destroy(struct fp_engine *e);
-    int fp_engine_kind(const struct fp_engine *e);
-    int fp_engine_memory_locked(const struct fp_engine *e);
-    int fp_engine_lock_errno(const struct fp_engine *e);
-    void *fp_engine_buffer(const struct fp_engine *e, int index);
-    size_t fp_engine_buffer_size(const struct fp_engine *e);
-    int fp_engine_num_buffers(const struct fp_engine *e);
-    const char *fp_last_error_op(const struct fp_engine *e);
-    uint64_t fp_last_error_offset(const struct fp_engine *e);
-    int fp_stream_begin(struct fp_engine *e, int direct_fd, int buffered_fd, uint64_t offset,
-                        uint64_t prealloc_step);
-    int fp_stream_write(struct fp_engine *e, const void *src, size_t n, uint32_t *crc);
-    int fp_stream_zero(struct fp_engine *e, size_t n);
-    int fp_stream_end(struct fp_engine *e);
-    void fp_stream_abort(struct fp_engine *e);
-    uint64_t fp_stream_offset(const struct fp_engine *e);
-    int fp_stream_direct(const struct fp_engine *e);
-    int64_t fp_pread(struct fp_engine *e, int direct_fd, int buffered_fd, void *dst,
-                     size_t n, uint64_t offset);
-    uint32_t fp_crc32(uint32_t crc, const void *buf, size_t n);
-    """
-)
+def _declarations() -> str:
+    """fp_engine.h without its preprocessor lines: cffi parses the rest as is."""
+    with open(os.path.join(HERE, "fp_engine.h")) as f:
+        return "".join(line for line in f if not line.lstrip().startswith("#"))
+
+
+ffibuilder.cdef(_declarations())
 ffibuilder.set_source(
     "fastpersist._engine_cffi",
     '#include "fp_engine.h"',

@@ -300,10 +300,8 @@ static int queue_range(struct fp_engine *e, int fd, int is_write, int is_direct,
     return e->error;
 }
 
-/* ---- write stream ----------------------------------------------------- */
-
-int fp_stream_begin(struct fp_engine *e, int direct_fd, int buffered_fd, uint64_t offset,
-                    uint64_t prealloc_step)
+/* Common start of a stream or a read: nothing else running, errors cleared. */
+static int start_operation(struct fp_engine *e, int direct_fd, int buffered_fd)
 {
     if (e->stream_active)
         return -EBUSY;
@@ -313,10 +311,21 @@ int fp_stream_begin(struct fp_engine *e, int direct_fd, int buffered_fd, uint64_
     e->error = 0;
     e->error_op = NULL;
     e->error_offset = 0;
-    e->stream_active = 1;
     e->direct_fd = direct_fd;
     e->buffered_fd = buffered_fd;
     e->direct = direct_fd >= 0;
+    return 0;
+}
+
+/* ---- write stream ----------------------------------------------------- */
+
+int fp_stream_begin(struct fp_engine *e, int direct_fd, int buffered_fd, uint64_t offset,
+                    uint64_t prealloc_step)
+{
+    int rc = start_operation(e, direct_fd, buffered_fd);
+    if (rc < 0)
+        return rc;
+    e->stream_active = 1;
     e->pos = offset;
     e->prealloc_step = prealloc_step;
     e->sole_writer = prealloc_step > 0;
@@ -504,16 +513,10 @@ static int64_t pread_bounced(struct fp_engine *e, char *dst, size_t n, uint64_t 
 int64_t fp_pread(struct fp_engine *e, int direct_fd, int buffered_fd, void *dst,
                  size_t n, uint64_t offset)
 {
-    if (e->stream_active)
-        return -EBUSY;
-    if (buffered_fd < 0)
-        return -EBADF;
-    wait_all(e);
-    e->error = 0;
-    e->error_op = NULL;
+    int rc = start_operation(e, direct_fd, buffered_fd);
+    if (rc < 0)
+        return rc;
     e->read_eof = UINT64_MAX;
-    e->direct_fd = direct_fd;
-    e->buffered_fd = buffered_fd;
     char *d = dst;
     uint64_t end = offset + n;
 
