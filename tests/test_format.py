@@ -1,4 +1,5 @@
 """fastpersist writes the very bytes torch.save writes (but the random serialization id)."""
+import contextlib
 import io
 import os
 import pickle
@@ -13,6 +14,18 @@ import fastpersist
 from fastpersist import torch_format
 
 from conftest import vanilla_load
+
+
+@contextlib.contextmanager
+def torch_save_setting(name, value):
+    """Sets torch.utils.serialization.config.save.<name> for a block. (pytest's
+    monkeypatch cannot handle torch's config proxies in every pytest version.)"""
+    old = getattr(config.save, name)
+    setattr(config.save, name, value)
+    try:
+        yield
+    finally:
+        setattr(config.save, name, old)
 
 
 def serialization_id(path):
@@ -71,17 +84,16 @@ def test_same_bytes_as_torch_save(folder, key):
     assert normalized(ref) == normalized(ours)
 
 
-def test_storage_alignment_too_large_is_refused(folder, monkeypatch):
-    monkeypatch.setattr(config.save, "storage_alignment", 1 << 20)
-    with pytest.raises(ValueError, match="storage_alignment"):
+def test_storage_alignment_too_large_is_refused(folder):
+    with torch_save_setting("storage_alignment", 1 << 20), pytest.raises(ValueError, match="storage_alignment"):
         fastpersist.save({"a": torch.ones(3)}, folder / "x.pt")
     assert not os.listdir(folder)
 
 
 @pytest.mark.parametrize("alignment", [64, 4096, 65536])
-def test_storage_alignment_is_honoured(folder, alignment, monkeypatch):
-    monkeypatch.setattr(config.save, "storage_alignment", alignment)
-    ref, ours = both({"a": torch.randn(1000), "b": torch.ones(3)}, folder)
+def test_storage_alignment_is_honoured(folder, alignment):
+    with torch_save_setting("storage_alignment", alignment):
+        ref, ours = both({"a": torch.randn(1000), "b": torch.ones(3)}, folder)
     assert normalized(ref) == normalized(ours)
     reader = torch._C.PyTorchFileReader(str(ours))
     for record in reader.get_all_records():
@@ -89,9 +101,9 @@ def test_storage_alignment_is_honoured(folder, alignment, monkeypatch):
             assert reader.get_record_offset(record) % alignment == 0
 
 
-def test_compute_crc32_off_writes_zero_crcs(folder, monkeypatch):
-    monkeypatch.setattr(config.save, "compute_crc32", False)
-    ref, ours = both({"a": torch.randn(1000)}, folder)
+def test_compute_crc32_off_writes_zero_crcs(folder):
+    with torch_save_setting("compute_crc32", False):
+        ref, ours = both({"a": torch.randn(1000)}, folder)
     assert normalized(ref) == normalized(ours)
     with zipfile.ZipFile(ours) as z:
         assert all(info.CRC == 0 for info in z.infolist())
