@@ -177,3 +177,35 @@ def test_memlock_refusal_is_reported_once(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("could not lock") == 1, out.stdout
     assert "loaded 499500" in out.stdout
+
+
+def test_auto_falls_back_when_kernel_refuses_io_uring(tmp_path):
+    """With kernel.io_uring_disabled=2 io_uring_setup fails with EPERM: auto
+    takes libaio, says why in one log line, and saves still work."""
+    import subprocess
+    import sys
+
+    knob = "/proc/sys/kernel/io_uring_disabled"
+    try:
+        with open(knob) as f:
+            old = f.read().strip()
+        with open(knob, "w") as f:
+            f.write("2")
+    except OSError as exc:
+        pytest.skip(f"cannot change {knob} here: {exc}")
+    try:
+        script = (
+            "import logging, sys, torch, fastpersist\n"
+            "logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
+            f"fastpersist.save({{'a': torch.arange(10)}}, {str(tmp_path / 'a.pt')!r})\n"
+            f"fastpersist.save({{'a': torch.arange(10)}}, {str(tmp_path / 'a.pt')!r})\n"
+            "from fastpersist import _engine; print('auto chose', _engine._auto_kind)\n"
+        )
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                             env={**os.environ, "FASTPERSIST_AUTOPATCH": "0"})
+    finally:
+        with open(knob, "w") as f:
+            f.write(old)
+    assert out.returncode == 0, out.stderr
+    assert "auto chose libaio" in out.stdout
+    assert out.stdout.count("using the libaio engine (io_uring:") == 1, out.stdout
