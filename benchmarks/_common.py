@@ -83,6 +83,23 @@ class Runner:
             self._tmp.cleanup()
 
 
+def run_rounds(runner: Runner, obj, source, engines: list[str], repeats: int, vanilla: bool = True) -> None:
+    """The rounds every save benchmark runs, then the report: vanilla
+    torch.save, then per engine fastpersist.save and the raw engine writing
+    as many bytes as that save's file (repeating ``source``)."""
+    try:
+        for _ in range(repeats):
+            if vanilla:
+                runner.run("test_save", vanilla_save(obj))
+            for engine in engines:
+                name = f"fastpersist_save[{engine}]"
+                runner.run(name, fastpersist_save(obj, engine))
+                runner.run(f"raw_engine_write[{engine}]", raw_engine_write(source, runner.nbytes[name], engine))
+        runner.report()
+    finally:
+        runner.close()
+
+
 def usable_engines(selection: str) -> list[str]:
     from fastpersist import _engine
     from fastpersist.options import Options

@@ -111,20 +111,7 @@ def main(argv=None) -> None:
           f"{' + Adam state' if args.optimizer else ''}; checkpoint {data_bytes / 1e9:.2f} GB of tensor data "
           f"({len(checkpoint['model'])} model keys; built in {built:.1f} s); folder {runner.folder}; "
           f"{args.repeats} rounds, medians", flush=True)
-    try:
-        for _ in range(args.repeats):
-            if not args.no_vanilla:
-                runner.run("test_save", _common.vanilla_save(checkpoint))
-            for engine in engines:
-                name = f"fastpersist_save[{engine}]"
-                runner.run(name, _common.fastpersist_save(checkpoint, engine))
-                # the same number of bytes as the checkpoint file just written
-                runner.run(f"raw_engine_write[{engine}]",
-                           _common.raw_engine_write(source, runner.nbytes[name], engine))
-        runner.report()
-    finally:
-        runner.close()
-
+    _common.run_rounds(runner, checkpoint, source, engines, args.repeats, vanilla=not args.no_vanilla)
 
 if __name__ == "__main__":
     main()

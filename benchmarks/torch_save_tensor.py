@@ -30,17 +30,7 @@ def main(argv=None) -> None:
     runner = _common.Runner(args.folder)
     print(f"# torch {torch.__version__}; tensor {nbytes / 1e9:.2f} GB float32; folder {runner.folder}; "
           f"{args.repeats} rounds, medians", flush=True)
-    try:
-        for _ in range(args.repeats):
-            if not args.no_vanilla:
-                runner.run("test_save", _common.vanilla_save(tensor))
-            for engine in engines:
-                runner.run(f"fastpersist_save[{engine}]", _common.fastpersist_save(tensor, engine))
-                runner.run(f"raw_engine_write[{engine}]", _common.raw_engine_write(tensor, nbytes, engine))
-        runner.report()
-    finally:
-        runner.close()
-
+    _common.run_rounds(runner, tensor, tensor, engines, args.repeats, vanilla=not args.no_vanilla)
 
 if __name__ == "__main__":
     main()

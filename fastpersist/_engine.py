@@ -50,11 +50,6 @@ def crc32(data, crc: int = 0) -> int:
     return lib.fp_crc32(crc, buf, len(buf))
 
 
-def crc32_at(address: int, nbytes: int, crc: int = 0) -> int:
-    lib, ffi = _load()
-    return lib.fp_crc32(crc, ffi.cast("const void *", address), nbytes)
-
-
 class Engine:
     """One I/O context: a ring (or AIO context) and its bounce buffers."""
 
@@ -144,10 +139,6 @@ class Engine:
         return self._check(
             lib.fp_pread(self._handle, direct_fd, buffered_fd, ffi.cast("void *", address), nbytes, offset), "read"
         )
-
-    def buffer_address(self, index: int) -> int:
-        lib, ffi = _load()
-        return int(ffi.cast("uintptr_t", lib.fp_engine_buffer(self._handle, index)))
 
 
 # ---------------------------------------------------------------------------

@@ -60,12 +60,13 @@ def same_serialization_id(monkeypatch):
                         lambda: last.pop("id", None) or "0" * 40)
 
 
-def both(obj, folder, name="ckpt.pt", **options):
+def both(obj, folder, name="ckpt.pt", **save_arguments):
+    """The same save by torch.save and fastpersist.save, in two folders."""
     ref, ours = folder / "ref", folder / "ours"
     ref.mkdir(exist_ok=True)
     ours.mkdir(exist_ok=True)
-    torch.save(obj, ref / name)
-    fastpersist.save(obj, ours / name, **options)
+    torch.save(obj, ref / name, **save_arguments)
+    fastpersist.save(obj, ours / name, **save_arguments)
     return ref / name, ours / name
 
 
@@ -124,25 +125,17 @@ def test_skip_data_reserves_space_like_torch(folder):
 
 def test_disable_byteorder_record(folder):
     obj = {"a": torch.ones(3)}
-    ref, ours = folder / "r", folder / "o"
-    ref.mkdir()
-    ours.mkdir()
-    torch.save(obj, ref / "x.pt", _disable_byteorder_record=True)
-    fastpersist.save(obj, ours / "x.pt", _disable_byteorder_record=True)
-    assert normalized(ref / "x.pt") == normalized(ours / "x.pt")
-    with zipfile.ZipFile(ours / "x.pt") as z:  # torch's writer adds it last anyway
+    ref, ours = both(obj, folder, "x.pt", _disable_byteorder_record=True)
+    assert normalized(ref) == normalized(ours)
+    with zipfile.ZipFile(ours) as z:  # torch's writer adds it last anyway
         assert [n for n in z.namelist() if n.endswith("byteorder")] == ["x/byteorder"]
 
 
 @pytest.mark.parametrize("protocol", [2, 4, pickle.HIGHEST_PROTOCOL])
 def test_pickle_protocols(folder, protocol):
     obj = {"a": torch.arange(5), "t": (1, 2)}
-    ref, ours = folder / "r", folder / "o"
-    ref.mkdir()
-    ours.mkdir()
-    torch.save(obj, ref / "x.pt", pickle_protocol=protocol)
-    fastpersist.save(obj, ours / "x.pt", pickle_protocol=protocol)
-    assert normalized(ref / "x.pt") == normalized(ours / "x.pt")
+    ref, ours = both(obj, folder, pickle_protocol=protocol)
+    assert normalized(ref) == normalized(ours)
 
 
 @pytest.mark.parametrize("name", ["model.pt", "a.b.c", "noext", "..pt", "ünïcode.pt", "weights.tar"])
