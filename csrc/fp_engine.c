@@ -3,6 +3,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -10,6 +11,10 @@
 #include <unistd.h>
 
 #include "fp_engine_internal.h"
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23 /* Linux 5.14; older kernels refuse it with EINVAL */
+#endif
 
 #ifdef FP_HAVE_ISAL
 #include <isa-l/crc.h>
@@ -475,66 +480,197 @@ int fp_stream_direct(const struct fp_engine *e) { return e->direct; }
 
 /* ---- pread ------------------------------------------------------------ */
 
-/* Reads through the engine's buffers when dst cannot take O_DIRECT. */
-static int64_t pread_bounced(struct fp_engine *e, char *dst, size_t n, uint64_t offset)
+/* Iterates over the buffer-sized, aligned file chunks that cover a sorted
+ * list of extents, reading small gaps through instead of seeking over them. */
+struct chunk_iter {
+    const struct fp_extent *ext;
+    size_t count, next;   /* next extent not yet in a span */
+    uint64_t pos, span_end;
+};
+
+static int next_chunk(struct fp_engine *e, struct chunk_iter *it, uint64_t *start, uint64_t *end)
 {
-    int nb = e->cfg.num_buffers;
-    size_t bs = e->cfg.buffer_size;
-    uint64_t first = align_down(offset), end = offset + n;
-    /* chunk k covers file [first + k*bs, first + (k+1)*bs) */
-    size_t nchunks = (size_t)((align_up(end) - first + bs - 1) / bs);
-    size_t issued = 0, copied = 0;
-    while (copied < nchunks && !e->error) {
-        while (issued < nchunks && issued < copied + (size_t)nb) {
-            uint64_t cstart = first + issued * bs;
-            uint64_t cend = align_up(end) < cstart + bs ? align_up(end) : cstart + bs;
-            int b = (int)(issued % (size_t)nb);
-            queue_range(e, e->direct_fd, 0, 1, b, fp_engine_buffer(e, b),
-                        (size_t)(cend - cstart), cstart);
-            issued++;
+    uint64_t bs = e->cfg.buffer_size;
+    if (it->pos >= it->span_end) {
+        while (it->next < it->count && it->ext[it->next].length == 0)
+            it->next++;
+        if (it->next >= it->count)
+            return 0;
+        const struct fp_extent *x = &it->ext[it->next++];
+        it->pos = align_down(x->offset);
+        it->span_end = align_up(x->offset + x->length);
+        while (it->next < it->count && it->ext[it->next].offset <= it->span_end + bs) {
+            x = &it->ext[it->next++];
+            uint64_t xe = align_up(x->offset + x->length);
+            if (xe > it->span_end)
+                it->span_end = xe;
         }
-        e->backend->submit(e);
-        int b = (int)(copied % (size_t)nb);
-        while (e->buf_pending[b] > 0 && !e->error)
-            reap(e, 1);
-        if (e->error)
-            break;
-        uint64_t cstart = first + copied * bs;
-        uint64_t lo = offset > cstart ? offset : cstart;
-        uint64_t hi = end < cstart + bs ? end : cstart + bs;
-        if (e->read_eof < hi)
-            hi = e->read_eof > lo ? e->read_eof : lo;
-        memcpy(dst + (lo - offset), fp_engine_buffer(e, b) + (lo - cstart), (size_t)(hi - lo));
-        copied++;
     }
-    return e->error;
+    *start = it->pos;
+    *end = it->pos + bs < it->span_end ? it->pos + bs : it->span_end;
+    it->pos = *end;
+    return 1;
 }
 
-int64_t fp_pread(struct fp_engine *e, int direct_fd, int buffered_fd, void *dst,
-                 size_t n, uint64_t offset)
+int64_t fp_read_extents(struct fp_engine *e, int direct_fd, int buffered_fd,
+                        const struct fp_extent *ext, size_t count, uint32_t *crcs)
 {
+    for (size_t i = 1; i < count; i++)
+        if (ext[i].offset < ext[i - 1].offset + ext[i - 1].length)
+            return -EINVAL;
     int rc = start_operation(e, direct_fd, buffered_fd);
     if (rc < 0)
         return rc;
     e->read_eof = UINT64_MAX;
+    int nb = e->cfg.num_buffers;
+    uint64_t cstart[nb], cend[nb];
+    struct chunk_iter it = {ext, count, 0, 0, 0};
+    size_t issued = 0, done = 0, cur = 0; /* cur: first extent not yet fully copied */
+    int more = 1;
+    int64_t copied = 0;
+    int fd = direct_fd >= 0 ? direct_fd : buffered_fd;
+    while (!e->error) {
+        while (more && issued < done + (size_t)nb) {
+            int b = (int)(issued % (size_t)nb);
+            more = next_chunk(e, &it, &cstart[b], &cend[b]);
+            if (!more)
+                break;
+            queue_range(e, fd, 0, direct_fd >= 0, b, fp_engine_buffer(e, b),
+                        (size_t)(cend[b] - cstart[b]), cstart[b]);
+            issued++;
+        }
+        if (done == issued)
+            break;
+        e->backend->submit(e);
+        int b = (int)(done % (size_t)nb);
+        while (e->buf_pending[b] > 0 && !e->error)
+            reap(e, 1);
+        if (e->error)
+            break;
+        const char *buf = fp_engine_buffer(e, b);
+        uint64_t valid_end = e->read_eof < cend[b] ? e->read_eof : cend[b];
+        while (cur < count && ext[cur].offset + ext[cur].length <= cstart[b])
+            cur++;
+        for (size_t i = cur; i < count && ext[i].offset < cend[b]; i++) {
+            uint64_t lo = ext[i].offset > cstart[b] ? ext[i].offset : cstart[b];
+            uint64_t hi = ext[i].offset + ext[i].length;
+            if (hi > valid_end)
+                hi = valid_end;
+            if (hi <= lo)
+                continue;
+            char *dst = (char *)ext[i].dst + (lo - ext[i].offset);
+            const char *src = buf + (lo - cstart[b]);
+            size_t len = (size_t)(hi - lo);
+            if (crcs) { /* copy in cache-sized pieces so the CRC reads them from cache */
+                for (size_t k = 0; k < len; k += FP_COPY_CHUNK) {
+                    size_t m = len - k < FP_COPY_CHUNK ? len - k : FP_COPY_CHUNK;
+                    memcpy(dst + k, src + k, m);
+                    crcs[i] = fp_crc32(crcs[i], dst + k, m);
+                }
+            } else {
+                memcpy(dst, src, len);
+            }
+            copied += (int64_t)len;
+        }
+        done++;
+    }
+    wait_all(e);
+    return e->error ? e->error : copied;
+}
+
+/* Faults in the pages of fresh destination memory ahead of the reads into it
+ * (FP_READ_PREFAULT). The reader waits until `ready` passes each piece. */
+#define FP_PREFAULT_CHUNK (8u << 20)
+
+struct prefault {
+    pthread_t thread;
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    char *base;
+    size_t size, ready;
+    int stop;               /* the read ended early (an error): stop faulting */
+};
+
+static void *prefault_main(void *arg)
+{
+    struct prefault *p = arg;
+    size_t done = 0;
+    while (done < p->size && !__atomic_load_n(&p->stop, __ATOMIC_RELAXED)) {
+        size_t n = p->size - done < FP_PREFAULT_CHUNK ? p->size - done : FP_PREFAULT_CHUNK;
+        /* On failure (kernel < 5.14, no memory) the reads fault pages themselves. */
+        int ok = madvise(p->base + done, n, MADV_POPULATE_WRITE) == 0;
+        done = ok ? done + n : p->size;
+        pthread_mutex_lock(&p->lock);
+        p->ready = done;
+        pthread_cond_broadcast(&p->cond);
+        pthread_mutex_unlock(&p->lock);
+    }
+    return NULL;
+}
+
+static void prefault_wait(struct prefault *p, size_t upto)
+{
+    pthread_mutex_lock(&p->lock);
+    while (p->ready < upto)
+        pthread_cond_wait(&p->cond, &p->lock);
+    pthread_mutex_unlock(&p->lock);
+}
+
+/* Reads [d, d+len) at file offset off straight into d with O_DIRECT; with a
+ * prefault helper, each piece is queued once its pages are in. */
+static void read_direct(struct fp_engine *e, char *d, size_t len, uint64_t off, struct prefault *p)
+{
+    if (!p) {
+        queue_range(e, e->direct_fd, 0, 1, -1, d, len, off);
+        return;
+    }
+    for (size_t k = 0; k < len && !e->error; k += FP_PREFAULT_CHUNK) {
+        size_t n = len - k < FP_PREFAULT_CHUNK ? len - k : FP_PREFAULT_CHUNK;
+        prefault_wait(p, (size_t)(d + k + n - p->base));
+        queue_range(e, e->direct_fd, 0, 1, -1, d + k, n, off + k);
+        e->backend->submit(e);
+    }
+}
+
+int64_t fp_pread(struct fp_engine *e, int direct_fd, int buffered_fd, void *dst,
+                 size_t n, uint64_t offset, unsigned flags)
+{
     char *d = dst;
     uint64_t end = offset + n;
-
-    if (direct_fd < 0) {
+    if (direct_fd >= 0 && ((uintptr_t)d % FP_ALIGN) != (offset % FP_ALIGN)) {
+        struct fp_extent x = {dst, offset, n};
+        return fp_read_extents(e, direct_fd, buffered_fd, &x, 1, NULL);
+    }
+    int rc = start_operation(e, direct_fd, buffered_fd);
+    if (rc < 0)
+        return rc;
+    e->read_eof = UINT64_MAX;
+    uint64_t a0 = align_up(offset), a1 = align_down(end);
+    if (direct_fd < 0 || a0 >= a1) {
         queue_range(e, buffered_fd, 0, 0, -1, d, n, offset);
-    } else if (((uintptr_t)d % FP_ALIGN) == (offset % FP_ALIGN)) {
-        uint64_t a0 = align_up(offset), a1 = align_down(end);
-        if (a0 >= a1) {
-            queue_range(e, buffered_fd, 0, 0, -1, d, n, offset);
-        } else {
-            if (offset < a0)
-                queue_range(e, buffered_fd, 0, 0, -1, d, (size_t)(a0 - offset), offset);
-            queue_range(e, direct_fd, 0, 1, -1, d + (a0 - offset), (size_t)(a1 - a0), a0);
-            if (a1 < end)
-                queue_range(e, buffered_fd, 0, 0, -1, d + (a1 - offset), (size_t)(end - a1), a1);
-        }
     } else {
-        pread_bounced(e, d, n, offset);
+        struct prefault pf, *p = NULL;
+        if ((flags & FP_READ_PREFAULT) && a1 - a0 >= 2 * FP_PREFAULT_CHUNK) {
+            pf.base = d + (a0 - offset);
+            pf.size = (size_t)(a1 - a0);
+            pf.ready = 0;
+            pf.stop = 0;
+            pthread_mutex_init(&pf.lock, NULL);
+            pthread_cond_init(&pf.cond, NULL);
+            if (pthread_create(&pf.thread, NULL, prefault_main, &pf) == 0)
+                p = &pf;
+        }
+        if (offset < a0)
+            queue_range(e, buffered_fd, 0, 0, -1, d, (size_t)(a0 - offset), offset);
+        read_direct(e, d + (a0 - offset), (size_t)(a1 - a0), a0, p);
+        if (a1 < end)
+            queue_range(e, buffered_fd, 0, 0, -1, d + (a1 - offset), (size_t)(end - a1), a1);
+        if (p) {
+            __atomic_store_n(&p->stop, 1, __ATOMIC_RELAXED);
+            pthread_join(p->thread, NULL);
+            pthread_mutex_destroy(&p->lock);
+            pthread_cond_destroy(&p->cond);
+        }
     }
     e->backend->submit(e);
     wait_all(e);

@@ -82,14 +82,40 @@ void fp_stream_abort(struct fp_engine *e);
 uint64_t fp_stream_offset(const struct fp_engine *e);
 int fp_stream_direct(const struct fp_engine *e);
 
+/* fp_pread flags */
+enum { FP_READ_PREFAULT = 1 };
+
 /*
  * Reads n bytes at `offset` into dst. When dst and offset are aligned alike,
  * the aligned middle is read straight into dst with O_DIRECT requests, up to
  * queue_depth in flight; otherwise it goes through the engine's buffers.
+ * FP_READ_PREFAULT: dst is freshly mapped memory; a helper thread faults its
+ * pages in ahead of the reads, so zeroing new pages (the kernel's price for
+ * fresh memory) runs on another core while the device transfers.
  * Returns the number of bytes read (less than n only at end of file).
  */
 int64_t fp_pread(struct fp_engine *e, int direct_fd, int buffered_fd, void *dst,
-                 size_t n, uint64_t offset);
+                 size_t n, uint64_t offset, unsigned flags);
+
+/* One destination of fp_read_extents: `length` file bytes at `offset`. */
+struct fp_extent {
+    void *dst;
+    uint64_t offset;
+    uint64_t length;
+};
+
+/*
+ * Reads many file ranges into their own destinations in one pass: the file
+ * spans that cover them are read sequentially through the engine's buffers
+ * (O_DIRECT, whole buffers in flight) and each extent's bytes are copied out
+ * as their buffer arrives, so the destinations can have any alignment.
+ * Extents must be sorted by offset and must not overlap (-EINVAL otherwise);
+ * small gaps between them are read through rather than skipped.
+ * If crcs is not NULL, crcs[i] is updated with the CRC-32 of extent i.
+ * Returns the number of bytes copied (less than the total only at end of file).
+ */
+int64_t fp_read_extents(struct fp_engine *e, int direct_fd, int buffered_fd,
+                        const struct fp_extent *extents, size_t count, uint32_t *crcs);
 
 /* CRC-32 as zlib computes it, with the fastest implementation built in. */
 uint32_t fp_crc32(uint32_t crc, const void *buf, size_t n);

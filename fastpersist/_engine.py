@@ -132,13 +132,32 @@ class Engine:
 
     # -- reads ----------------------------------------------------------
     def pread_into(self, direct_fd: int, buffered_fd: int, address: int, nbytes: int, offset: int,
-                   path: Optional[str] = None) -> int:
-        """Reads nbytes at offset into host memory at address; returns bytes read."""
+                   path: Optional[str] = None, *, prefault: bool = False) -> int:
+        """Reads nbytes at offset into host memory at address; returns bytes read.
+        prefault=True: the memory is freshly mapped, fault it in on another thread."""
         lib, ffi = _load()
         self._path = path
+        flags = lib.FP_READ_PREFAULT if prefault else 0
         return self._check(
-            lib.fp_pread(self._handle, direct_fd, buffered_fd, ffi.cast("void *", address), nbytes, offset), "read"
+            lib.fp_pread(self._handle, direct_fd, buffered_fd, ffi.cast("void *", address), nbytes, offset, flags),
+            "read",
         )
+
+    def read_extents(self, direct_fd: int, buffered_fd: int, extents, path: Optional[str] = None,
+                     *, checksums: bool = False):
+        """Reads (address, offset, length) extents, sorted by offset, in one pass.
+        Returns bytes copied and, with checksums, each extent's CRC-32."""
+        lib, ffi = _load()
+        self._path = path
+        count = len(extents)
+        table = ffi.new("struct fp_extent[]", count)
+        for i, (address, offset, length) in enumerate(extents):
+            table[i].dst = ffi.cast("void *", address)
+            table[i].offset = offset
+            table[i].length = length
+        crcs = ffi.new("uint32_t[]", count) if checksums else ffi.NULL
+        copied = self._check(lib.fp_read_extents(self._handle, direct_fd, buffered_fd, table, count, crcs), "read")
+        return copied, (list(crcs) if checksums else None)
 
 
 # ---------------------------------------------------------------------------
