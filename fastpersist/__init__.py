@@ -1,17 +1,20 @@
 """fastpersist: torch.save and torch.load at the speed of the storage device.
 
-``import fastpersist`` patches ``torch.save`` unless ``FASTPERSIST_AUTOPATCH=0``.
+``import fastpersist`` patches ``torch.save`` and ``torch.load`` unless ``FASTPERSIST_AUTOPATCH=0``.
 Files stay standard torch checkpoints that any ``torch.load`` reads.
 """
 import os
 
+from .load import IncompatibleKeys, load, load_into
 from .options import Options
 from .patching import is_patched, patch, unpatch
 from .save import save
+from .torch_format import CheckpointError
 from .writer import FastFileWriter
 
 __version__ = "0.1.0"
-__all__ = ["FastFileWriter", "Options", "is_patched", "patch", "save", "unpatch", "__version__"]
+__all__ = ["CheckpointError", "FastFileWriter", "IncompatibleKeys", "Options", "is_patched", "load", "load_into",
+           "patch", "save", "unpatch", "__version__"]
 
 if os.environ.get("FASTPERSIST_AUTOPATCH", "1").strip().lower() not in ("0", "false", "no", "off"):
     patch()

@@ -258,7 +258,253 @@ def save_records(obj, sink, archive_name: str, pickle_module, pickle_protocol: i
     return writer.finish()
 
 
+# ---------------------------------------------------------------------------
+# reading
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file is truncated, corrupt or not what it claims to be.
+
+    A RuntimeError, like the errors torch.load raises for broken archives,
+    so code that catches those keeps working."""
+
+
+_EOCD = struct.Struct("<IHHHHIIH")
+_ZIP64_LOCATOR = struct.Struct("<IIQI")
+_ZIP64_EOCD = struct.Struct("<IQHHIIQQQQ")
+_MAX_EOCD_SEARCH = _EOCD.size + 0xFFFF  # the end record plus the longest comment
+
+
+@dataclass
+class RecordEntry:
+    """One record of an archive, as its central directory describes it."""
+
+    name: str  # without the archive prefix
+    header_offset: int
+    size: int
+    crc: int
+    compressed: bool
+    data_offset: int = -1  # known once the local header is read (ArchiveIndex.resolve)
+
+
+class ArchiveIndex:
+    """The records of a torch zip checkpoint and where their bytes are.
+
+    Every offset and size read from the file is checked against the file's
+    size before it is used, so a truncated or lying file raises
+    CheckpointError instead of reading out of bounds or allocating what the
+    file does not hold.
+    """
+
+    def __init__(self, path: str, file_size: int, prefix: str, records: dict):
+        self.path = path
+        self.file_size = file_size
+        self.prefix = prefix  # "archive/"
+        self.records: dict[str, RecordEntry] = records
+
+    def _error(self, message: str) -> CheckpointError:
+        return CheckpointError(f"{self.path}: {message}")
+
+    @classmethod
+    def read(cls, read_at, file_size: int, path: str) -> "ArchiveIndex":
+        """Parses the end records and the central directory; read_at(offset, n) -> bytes."""
+        index = cls(path, file_size, "", {})
+        index._parse(read_at)
+        return index
+
+    def _read_exact(self, read_at, offset: int, n: int, what: str) -> bytes:
+        if offset < 0 or n < 0 or offset + n > self.file_size:
+            raise self._error(f"{what} at bytes {offset}..{offset + n} lies outside the file "
+                              f"({self.file_size} bytes); it is truncated or corrupt")
+        data = read_at(offset, n)
+        if len(data) != n:
+            raise self._error(f"{what}: the file ended after {len(data)} of {n} bytes at offset {offset} "
+                              "(did it shrink while being read?)")
+        return data
+
+    def _parse(self, read_at) -> None:
+        size = self.file_size
+        if size < _EOCD.size:
+            raise self._error(f"{size} bytes is too short for a torch checkpoint")
+        tail_start = max(0, size - _MAX_EOCD_SEARCH)
+        tail = self._read_exact(read_at, tail_start, size - tail_start, "end of archive")
+        at = tail.rfind(b"PK\x05\x06")
+        while at >= 0 and at + _EOCD.size > len(tail):
+            at = tail.rfind(b"PK\x05\x06", 0, at)
+        if at < 0:
+            raise self._error("no zip end-of-archive record; the file is truncated or not a torch checkpoint")
+        eocd_offset = tail_start + at
+        (_, _, _, _, count, cd_size, cd_offset, _) = _EOCD.unpack_from(tail, at)
+        locator_offset = eocd_offset - _ZIP64_LOCATOR.size
+        if locator_offset >= 0 and self._peek(read_at, locator_offset, 4) == b"PK\x06\x07":
+            _, _, end64_offset, _ = _ZIP64_LOCATOR.unpack(
+                self._read_exact(read_at, locator_offset, _ZIP64_LOCATOR.size, "zip64 locator"))
+            if end64_offset + _ZIP64_EOCD.size > locator_offset:
+                raise self._error(f"the zip64 end record's offset {end64_offset} is past the end records")
+            fields = _ZIP64_EOCD.unpack(self._read_exact(read_at, end64_offset, _ZIP64_EOCD.size, "zip64 end record"))
+            if fields[0] != 0x06064B50:
+                raise self._error(f"no zip64 end record at offset {end64_offset}")
+            count, cd_size, cd_offset = fields[7], fields[8], fields[9]
+            cd_end_limit = end64_offset
+        else:
+            cd_end_limit = eocd_offset
+        if cd_offset + cd_size > cd_end_limit:
+            raise self._error(f"the central directory claims bytes {cd_offset}..{cd_offset + cd_size}, "
+                              f"past the end records at {cd_end_limit}; the file is truncated or corrupt")
+        if count * _CENTRAL_HEADER.size > cd_size:
+            raise self._error(f"the central directory claims {count} records in {cd_size} bytes")
+        cd = self._read_exact(read_at, cd_offset, cd_size, "central directory")
+        self._parse_central_directory(cd, count, cd_offset)
+
+    @staticmethod
+    def _peek(read_at, offset: int, n: int) -> bytes:
+        return read_at(offset, n)
+
+    def _parse_central_directory(self, cd: bytes, count: int, cd_offset: int) -> None:
+        pos = 0
+        entries = []
+        for i in range(count):
+            if pos + _CENTRAL_HEADER.size > len(cd):
+                raise self._error(f"the central directory ends after {i} of {count} records")
+            (sig, _, _, _, method, _, _, crc, csize, usize, name_len, extra_len, comment_len,
+             _, _, _, header_offset) = _CENTRAL_HEADER.unpack_from(cd, pos)
+            if sig != 0x02014B50:
+                raise self._error(f"central directory record {i} at offset {cd_offset + pos} is corrupt")
+            pos += _CENTRAL_HEADER.size
+            if pos + name_len + extra_len + comment_len > len(cd):
+                raise self._error(f"central directory record {i} runs past the directory")
+            name = cd[pos:pos + name_len].decode("utf-8", "replace")
+            extra = cd[pos + name_len:pos + name_len + extra_len]
+            pos += name_len + extra_len + comment_len
+            usize, csize, header_offset = self._zip64_fields(name, extra, usize, csize, header_offset)
+            if method == 0 and csize != usize:
+                raise self._error(f"record '{name}' is stored with {csize} bytes but claims {usize}")
+            if header_offset + _LOCAL_HEADER.size + csize > cd_offset:
+                raise self._error(f"record '{name}' claims {csize} bytes at offset {header_offset}, past the "
+                                  f"start of the central directory at {cd_offset}; the file is truncated or corrupt")
+            entries.append((name, header_offset, csize if method else usize, crc, method != 0))
+        if not entries:
+            raise self._error("the archive has no records")
+        first = entries[0][0]
+        slash = first.find("/")
+        if slash < 0:
+            raise self._error(f"record '{first}' is not inside an archive folder, as torch's are")
+        self.prefix = first[:slash + 1]
+        for name, header_offset, size, crc, compressed in entries:
+            if name.startswith(self.prefix):
+                short = name[len(self.prefix):]
+                self.records[short] = RecordEntry(short, header_offset, size, crc, compressed)
+
+    def _zip64_fields(self, name: str, extra: bytes, usize: int, csize: int, header_offset: int):
+        pos = 0
+        while pos + 4 <= len(extra):
+            tag, length = struct.unpack_from("<HH", extra, pos)
+            body = extra[pos + 4:pos + 4 + length]
+            pos += 4 + length
+            if tag != 1:
+                continue
+            values = [v for (v,) in struct.iter_unpack("<Q", body[: len(body) // 8 * 8])]
+            try:
+                if usize == _U32_LIMIT:
+                    usize = values.pop(0)
+                if csize == _U32_LIMIT:
+                    csize = values.pop(0)
+                if header_offset == _U32_LIMIT:
+                    header_offset = values.pop(0)
+            except IndexError:
+                raise self._error(f"record '{name}' has a short zip64 extra field") from None
+        return usize, csize, header_offset
+
+    def resolve(self, read_at, names=None) -> None:
+        """Finds where the data of each record (or of `names`) starts, from its local header."""
+        for name in (self.records if names is None else names):
+            r = self.records[name]
+            if r.data_offset >= 0:
+                continue
+            header = self._read_exact(read_at, r.header_offset, _LOCAL_HEADER.size, f"local header of '{name}'")
+            fields = _LOCAL_HEADER.unpack(header)
+            if fields[0] != 0x04034B50:
+                raise self._error(f"record '{name}': no local header at offset {r.header_offset}")
+            data_offset = r.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
+            if data_offset + r.size > self.file_size:
+                raise self._error(f"record '{name}' claims {r.size} bytes at offset {data_offset}, "
+                                  f"but the file ends at {self.file_size}; it is truncated or corrupt")
+            r.data_offset = data_offset
+
+    def entry(self, name: str) -> RecordEntry:
+        try:
+            return self.records[name]
+        except KeyError:
+            raise self._error(f"record '{name}' not found in the archive") from None
+
+    def by_data_offset(self) -> dict:
+        return {r.data_offset: r for r in self.records.values() if r.data_offset >= 0}
+
+    @property
+    def is_torchscript(self) -> bool:
+        return "constants.pkl" in self.records
+
+    @property
+    def has_compressed_records(self) -> bool:
+        return any(r.compressed for r in self.records.values())
+
+    @property
+    def has_checksums(self) -> bool:
+        """False when torch saved it with compute_crc32=False (every CRC is 0)."""
+        return any(r.crc for r in self.records.values() if r.size)
+
+
+class TorchArchiveReader:
+    """Stands in for ``torch._C.PyTorchFileReader`` inside
+    ``torch.serialization._load``, answering from an ArchiveIndex;
+    read_at(offset, n) fetches bytes (from memory already read, or the file)."""
+
+    def __init__(self, index: ArchiveIndex, read_at):
+        self.index = index
+        self._read_at = read_at
+
+    def has_record(self, name: str) -> bool:
+        return name in self.index.records
+
+    def get_all_records(self) -> list:
+        return list(self.index.records)
+
+    def get_record(self, name: str) -> bytes:
+        r = self.index.entry(name)
+        self.index.resolve(self._read_at, [name])
+        return self._read_at(r.data_offset, r.size)
+
+    def get_record_offset(self, name: str) -> int:
+        r = self.index.entry(name)
+        self.index.resolve(self._read_at, [name])
+        return r.data_offset
+
+    def get_record_header_offset(self, name: str) -> int:
+        return self.index.entry(name).header_offset
+
+    def get_record_offset_no_read(self, header_offset: int, name: str, size: int, alignment: int) -> int:
+        return self.get_record_offset(name)  # the index knows; no need to compute it
+
+    def serialization_id(self) -> str:
+        if not self.has_record(".data/serialization_id"):
+            return ""
+        return self.get_record(".data/serialization_id").decode("ascii", "replace")
+
+    def get_storage_from_record(self, name: str, nbytes: int, storage_type):
+        import torch
+
+        r = self.index.entry(name)
+        if nbytes > r.size:
+            raise self.index._error(f"record '{name}' holds {r.size} bytes, the pickle asks for {nbytes}")
+        data = bytearray(self._read_at(self.get_record_offset(name), nbytes))
+        return torch.frombuffer(data, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+
+
 __all__ = [
+    "ArchiveIndex",
+    "CheckpointError",
+    "RecordEntry",
+    "TorchArchiveReader",
     "RecordLayout",
     "TorchZipWriter",
     "ZipLayout",

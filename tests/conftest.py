@@ -38,11 +38,12 @@ def engine(request):
 
 @pytest.fixture(autouse=True)
 def _restore_patching():
-    """Every test starts unpatched, with torch's own save, and ends so."""
+    """Every test starts unpatched, with torch's own save and load, and ends so."""
     fastpersist.unpatch()
     yield
     fastpersist.unpatch()
     assert torch.save is fastpersist.patching.original_save()
+    assert torch.load is fastpersist.patching.original_load()
 
 
 @pytest.fixture

@@ -1,0 +1,275 @@
+"""fastpersist.load and the patched torch.load, checked against torch.load of
+the same file: values, layout, sharing, map_location, weights_only, and what
+is delegated to torch."""
+import gc
+import inspect
+import io
+import os
+import pickle
+import sys
+import warnings
+import zipfile
+
+import pytest
+import torch
+
+import fastpersist
+from fastpersist.patching import original_load, original_save
+
+from conftest import SMALL, mounted
+from corpus import assert_same, corpus
+
+
+def torch_load(path, **kwargs):
+    return original_load()(path, **kwargs)
+
+
+def sharing(obj):
+    """Which tensors of obj share a storage: [(index of first tensor with the same storage)]."""
+    tensors = []
+
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            tensors.append(x)
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+
+    walk(obj)
+    ptrs = [t.untyped_storage().data_ptr() if t.untyped_storage().nbytes() else None for t in tensors]
+    return [ptrs.index(p) if p is not None else None for p in ptrs]
+
+
+def same_as_torch(path, **kwargs):
+    expected = torch_load(path, **kwargs)
+    got = fastpersist.load(path, **kwargs)
+    assert_same(expected, got)
+    assert sharing(expected) == sharing(got)
+    return got
+
+
+@pytest.fixture
+def engine_options(engine):
+    fastpersist.patch(engine=engine, **SMALL)
+    yield
+    fastpersist.unpatch()
+
+
+def test_torch_save_to_fastpersist_load(folder, engine_options):
+    original_save()(corpus(), folder / "c.pt")
+    same_as_torch(folder / "c.pt", weights_only=False)
+    same_as_torch(folder / "c.pt", weights_only=True)
+
+
+def test_fastpersist_save_to_fastpersist_load(folder, engine_options):
+    obj = corpus()
+    fastpersist.save(obj, folder / "c.pt")
+    got = same_as_torch(folder / "c.pt", weights_only=False)
+    assert_same(obj, got)
+
+
+@pytest.mark.parametrize("alignment", [64, 4096])
+def test_storage_alignment_and_sizes(folder, alignment):
+    from torch.utils.serialization import config
+
+    old = config.save.storage_alignment
+    config.save.storage_alignment = alignment
+    try:
+        obj = {f"t{n}": torch.arange(n, dtype=torch.uint8) for n in (0, 1, 4095, 4096, 4097, 3 << 20)}
+        original_save()(obj, folder / "a.pt")
+    finally:
+        config.save.storage_alignment = old
+    same_as_torch(folder / "a.pt")
+
+
+MAP_LOCATIONS = {
+    "none": None,
+    "str": "cpu",
+    "device": torch.device("cpu"),
+    "dict": {"cpu": "cpu"},
+    "callable_storage": lambda storage, location: storage,
+    "callable_none": lambda storage, location: None,
+}
+
+
+@pytest.mark.parametrize("form", list(MAP_LOCATIONS))
+def test_map_location_forms(folder, form):
+    original_save()(corpus(), folder / "c.pt")
+    same_as_torch(folder / "c.pt", map_location=MAP_LOCATIONS[form], weights_only=False)
+
+
+def test_meta_and_mmap_loads_are_torchs(folder):
+    original_save()(corpus(), folder / "c.pt")
+    meta = fastpersist.load(folder / "c.pt", map_location="meta", weights_only=False)
+    assert meta["zero_dim"].device.type == "meta"
+    same_as_torch(folder / "c.pt", mmap=True, weights_only=False)
+
+
+def test_tensors_outlive_the_rest_of_the_checkpoint(folder):
+    original_save()({"keep": torch.arange(1 << 20), "drop": torch.ones(1 << 20)}, folder / "c.pt")
+    kept = fastpersist.load(folder / "c.pt")["keep"]
+    gc.collect()
+    assert torch.equal(kept, torch.arange(1 << 20))
+
+
+def test_writable_and_independent_of_the_file(folder):
+    original_save()(torch.zeros(1000), folder / "c.pt")
+    t = fastpersist.load(folder / "c.pt")
+    t += 1
+    os.unlink(folder / "c.pt")  # the loaded tensor is memory, not a mapping of the file
+    assert torch.equal(t, torch.ones(1000))
+
+
+def test_buffered_filesystem_refusing_o_direct():
+    with mounted("ramfs") as base:
+        path = os.path.join(base, "c.pt")
+        original_save()(corpus(), path)
+        same_as_torch(path, weights_only=False)
+
+
+# ---- weights_only -------------------------------------------------------------
+
+
+class Payload:
+    """Unpickling this runs os.mkdir(path): a stand-in for arbitrary code."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.mkdir, (self.path,)
+
+
+class Allowed:
+    def __init__(self, x=0):
+        self.x = x
+
+    def __eq__(self, other):
+        return type(other) is Allowed and other.x == self.x
+
+
+def same_error(call_a, call_b):
+    with pytest.raises(Exception) as a:
+        call_a()
+    with pytest.raises(Exception) as b:
+        call_b()
+    assert type(a.value) is type(b.value)
+    assert str(a.value) == str(b.value)
+    return a.value
+
+
+def test_malicious_reduce_is_refused_like_torch(folder):
+    marker = folder / "pwned"
+    original_save()({"w": torch.ones(3), "evil": Payload(str(marker))}, folder / "evil.pt")
+    err = same_error(lambda: torch_load(folder / "evil.pt"), lambda: fastpersist.load(folder / "evil.pt"))
+    assert isinstance(err, pickle.UnpicklingError)
+    same_error(lambda: torch_load(folder / "evil.pt", weights_only=True),
+               lambda: fastpersist.load(folder / "evil.pt", weights_only=True))
+    assert not marker.exists()
+
+
+def test_safe_globals_behave_the_same(folder):
+    original_save()({"obj": Allowed(5), "t": torch.ones(2)}, folder / "a.pt")
+    same_error(lambda: torch_load(folder / "a.pt"), lambda: fastpersist.load(folder / "a.pt"))
+    with torch.serialization.safe_globals([Allowed]):
+        got = same_as_torch(folder / "a.pt")
+    assert got["obj"] == Allowed(5)
+    same_as_torch(folder / "a.pt", weights_only=False)
+
+
+def test_argument_errors_and_environment_like_torch(folder, monkeypatch):
+    original_save()({"t": torch.ones(2)}, folder / "a.pt")
+    same_error(lambda: torch_load(folder / "a.pt", pickle_module=pickle, weights_only=True),
+               lambda: fastpersist.load(folder / "a.pt", pickle_module=pickle, weights_only=True))
+    original_save()({"obj": Allowed(1)}, folder / "b.pt")
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert fastpersist.load(folder / "b.pt")["obj"] == Allowed(1)
+    assert any("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD" in str(w.message) for w in caught)
+    monkeypatch.setenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "1")
+    same_error(lambda: torch_load(folder / "b.pt"), lambda: fastpersist.load(folder / "b.pt"))
+    monkeypatch.delenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
+    same_error(lambda: torch_load(folder / "b.pt", weights_only=False),
+               lambda: fastpersist.load(folder / "b.pt", weights_only=False))
+
+
+def test_pickle_load_args_reach_the_unpickler(folder):
+    original_save()({"s": "text", "t": torch.ones(2)}, folder / "a.pt")
+    same_as_torch(folder / "a.pt", weights_only=False, encoding="latin1")
+
+
+# ---- what goes to torch.load ----------------------------------------------------
+
+
+def test_file_objects_go_to_torch(folder):
+    original_save()(corpus(), folder / "c.pt")
+    expected = torch_load(folder / "c.pt", weights_only=False)
+    with open(folder / "c.pt", "rb") as f:
+        assert_same(expected, fastpersist.load(f, weights_only=False))
+    assert_same(expected, fastpersist.load(io.BytesIO((folder / "c.pt").read_bytes()), weights_only=False))
+
+
+def test_legacy_files_go_to_torch(folder):
+    # torch's own legacy loader fails on dtypes without a typed storage (uint16..64)
+    base = torch.randn(6, 5)
+    obj = {"t": base, "view": base[2:, 1:], "half": base.half(), "epoch": 3}
+    original_save()(obj, folder / "legacy.pt", _use_new_zipfile_serialization=False)
+    same_as_torch(folder / "legacy.pt", weights_only=False)
+
+
+def test_torchscript_archives_go_to_torch(folder):
+    scripted = torch.jit.script(torch.nn.Linear(3, 2))
+    scripted.save(str(folder / "s.pt"))
+    with pytest.warns(UserWarning, match="TorchScript"):
+        loaded = fastpersist.load(folder / "s.pt", weights_only=False)
+    assert isinstance(loaded, torch.jit.ScriptModule)
+    assert torch.equal(loaded.weight, scripted.weight)
+
+
+def test_foreign_zip_layout_and_big_endian_record(folder):
+    """A checkpoint rewritten by Python's zipfile (sizes in local headers, no
+    padding) and marked big-endian: torch swaps bytes on load; so must we."""
+    values = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    original_save()({"x": values, "h": values.to(torch.float16)}, folder / "little.pt")
+    with zipfile.ZipFile(folder / "little.pt") as src, zipfile.ZipFile(folder / "big.pt", "w") as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename.endswith("/byteorder"):
+                data = b"big"
+            elif "/data/" in info.filename:
+                itemsize = 4 if len(data) == 48 else 2
+                data = b"".join(data[i:i + itemsize][::-1] for i in range(0, len(data), itemsize))
+            dst.writestr(info.filename, data)
+    got = same_as_torch(folder / "big.pt")
+    assert torch.equal(got["x"], values)
+    assert torch.equal(got["h"], values.to(torch.float16))
+
+
+# ---- patching -----------------------------------------------------------------
+
+
+def test_patch_routes_torch_load_and_keeps_signature(folder, monkeypatch):
+    original_save()({"t": torch.ones(3)}, folder / "a.pt")
+    calls = []
+    load_module = sys.modules["fastpersist.load"]  # the package's `load` attribute is the function
+    monkeypatch.setattr(load_module, "load", lambda *a, **k: calls.append(a) or "fast")
+    fastpersist.patch()
+    assert torch.load(folder / "a.pt") == "fast"
+    assert torch.serialization.load(folder / "a.pt") == "fast"
+    assert inspect.signature(torch.load) == inspect.signature(original_load())
+    assert torch.load.__doc__ == original_load().__doc__
+    fastpersist.unpatch()
+    assert torch.load is original_load() and torch.serialization.load is original_load()
+    assert len(calls) == 2
+
+
+def test_patched_load_round_trip(folder):
+    fastpersist.patch()
+    torch.save(corpus(), folder / "c.pt")
+    got = torch.load(folder / "c.pt", weights_only=False)
+    fastpersist.unpatch()
+    assert_same(torch.load(folder / "c.pt", weights_only=False), got)
