@@ -100,11 +100,13 @@ def load(f, map_location=None, pickle_module=None, *, weights_only: Optional[boo
         image.read_all()
         if verify:
             image.verify()
-        reader = TorchArchiveReader(image.index, image.read_at)
-        overall = image.as_storage()
+        # Storages are slices of the whole-file storage, as with overall_storage
+        # (mmap=True); through get_storage_from_record each one is checked
+        # against its record's size first.
+        reader = TorchArchiveReader(image.index, image.read_at, image.as_storage())
         unpickler = ts._weights_only_unpickler if weights_only else pickle_module
         try:
-            return ts._load(reader, map_location, unpickler, overall_storage=overall, **pickle_load_args)
+            return ts._load(reader, map_location, unpickler, **pickle_load_args)
         except pickle.UnpicklingError:
             if not weights_only:
                 raise

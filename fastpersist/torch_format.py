@@ -459,9 +459,10 @@ class TorchArchiveReader:
     ``torch.serialization._load``, answering from an ArchiveIndex;
     read_at(offset, n) fetches bytes (from memory already read, or the file)."""
 
-    def __init__(self, index: ArchiveIndex, read_at):
+    def __init__(self, index: ArchiveIndex, read_at, storage=None):
         self.index = index
         self._read_at = read_at
+        self._storage = storage  # the whole file as one UntypedStorage, when it has been read
 
     def has_record(self, name: str) -> bool:
         return name in self.index.records
@@ -491,12 +492,18 @@ class TorchArchiveReader:
         return self.get_record(".data/serialization_id").decode("ascii", "replace")
 
     def get_storage_from_record(self, name: str, nbytes: int, storage_type):
+        """A uint8 tensor over the record's first nbytes: a slice of the
+        whole-file storage (no copy) when there is one, else a fresh read."""
         import torch
 
         r = self.index.entry(name)
-        if nbytes > r.size:
-            raise self.index._error(f"record '{name}' holds {r.size} bytes, the pickle asks for {nbytes}")
-        data = bytearray(self._read_at(self.get_record_offset(name), nbytes))
+        if nbytes != r.size:  # torch.load's check too
+            raise self.index._error(f"record '{name}' holds {r.size} bytes, but the pickle says {nbytes}; "
+                                    "the file is corrupt")
+        offset = self.get_record_offset(name)
+        if self._storage is not None:
+            return torch.empty(0, dtype=torch.uint8).set_(self._storage[offset:offset + nbytes])
+        data = bytearray(self._read_at(offset, nbytes))
         return torch.frombuffer(data, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
 
 

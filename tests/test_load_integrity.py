@@ -1,0 +1,168 @@
+"""Broken files: truncated, empty, bit-flipped, lying headers. Each raises a
+clear fastpersist.CheckpointError naming the file (and the record), never a
+crash, a hang or an allocation the file does not justify."""
+import random
+import struct
+
+import pytest
+import torch
+
+import fastpersist
+from fastpersist import CheckpointError
+from fastpersist.patching import original_save
+from fastpersist.torch_format import ArchiveIndex
+
+
+def checkpoint(folder, name="c.pt", **save_kwargs):
+    path = folder / name
+    original_save()({"w": torch.randn(300, 100), "b": torch.arange(100), "step": 7}, path, **save_kwargs)
+    return path
+
+
+def index_of(path):
+    data = path.read_bytes()
+    index = ArchiveIndex.read(lambda o, n: data[o:o + n], len(data), str(path))
+    index.resolve(lambda o, n: data[o:o + n])
+    return index
+
+
+def test_empty_file(folder):
+    (folder / "empty.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="empty.pt.*empty"):
+        fastpersist.load(folder / "empty.pt")
+    with pytest.raises(CheckpointError, match="empty"):
+        fastpersist.load_into({}, folder / "empty.pt")
+
+
+@pytest.mark.parametrize("keep", [4, 100, 0.5, -1, -22, -23])
+def test_truncated_files(folder, keep):
+    path = checkpoint(folder)
+    data = path.read_bytes()
+    cut = int(len(data) * keep) if isinstance(keep, float) else keep % len(data)
+    path.write_bytes(data[:cut])
+    with pytest.raises(CheckpointError, match="c.pt"):
+        fastpersist.load(path)
+    with pytest.raises(CheckpointError, match="c.pt"):
+        fastpersist.load_into({"w": torch.zeros(300, 100), "b": torch.zeros(100, dtype=torch.long)}, path)
+
+
+def test_bit_flip_in_tensor_data_is_caught_by_verify(folder):
+    path = checkpoint(folder)
+    record = index_of(path).records["data/0"]
+    data = bytearray(path.read_bytes())
+    data[record.data_offset + 1234] ^= 0x10
+    path.write_bytes(bytes(data))
+    loaded = fastpersist.load(path)  # like torch.load, no check by default
+    assert loaded["w"].shape == (300, 100)
+    with pytest.raises(CheckpointError, match=r"record 'data/0' fails its CRC-32"):
+        fastpersist.load(path, verify=True)
+    target = {"w": torch.zeros(300, 100), "b": torch.zeros(100, dtype=torch.long), "step": 0}
+    with pytest.raises(CheckpointError, match=r"record 'data/0' fails its CRC-32"):
+        fastpersist.load_into(target, path, verify=True)
+
+
+def test_verify_passes_on_intact_files_and_refuses_files_without_checksums(folder):
+    path = checkpoint(folder)
+    assert fastpersist.load(path, verify=True)["step"] == 7
+    target = {"w": torch.zeros(300, 100), "b": torch.zeros(100, dtype=torch.long), "step": 0}
+    fastpersist.load_into(target, path, verify=True)
+    from torch.utils.serialization import config
+
+    config.save.compute_crc32 = False
+    try:
+        path = checkpoint(folder, "nocrc.pt")
+    finally:
+        config.save.compute_crc32 = True
+    assert fastpersist.load(path)["step"] == 7
+    with pytest.raises(CheckpointError, match="without CRC-32"):
+        fastpersist.load(path, verify=True)
+
+
+def test_verify_needs_a_path(folder):
+    path = checkpoint(folder)
+    with open(path, "rb") as f, pytest.raises(ValueError, match="verify=True needs a path"):
+        fastpersist.load(f, verify=True)
+
+
+def _central_entry_offset(data: bytes, name: bytes) -> int:
+    at = 0
+    while True:
+        at = data.index(b"PK\x01\x02", at + 1)
+        name_len = struct.unpack_from("<H", data, at + 28)[0]
+        if data[at + 46:at + 46 + name_len].endswith(name):
+            return at
+
+
+def test_record_claiming_more_bytes_than_the_file_holds(folder):
+    path = checkpoint(folder)
+    data = bytearray(path.read_bytes())
+    at = _central_entry_offset(bytes(data), b"/data/0")
+    struct.pack_into("<II", data, at + 20, 0x7FFFFFF0, 0x7FFFFFF0)  # compressed and uncompressed size
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="'.*data/0' claims 2147483632 bytes"):
+        fastpersist.load(path)
+    with pytest.raises(CheckpointError, match="data/0"):
+        fastpersist.load_into({"w": torch.zeros(300, 100), "b": torch.zeros(100, dtype=torch.long)}, path)
+
+
+def test_local_header_offset_past_the_end(folder):
+    path = checkpoint(folder)
+    data = bytearray(path.read_bytes())
+    at = _central_entry_offset(bytes(data), b"/data/1")
+    struct.pack_into("<I", data, at + 42, len(data) + 100)
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="data/1"):
+        fastpersist.load(path)
+
+
+def test_pickle_asking_for_more_than_the_record(folder):
+    """The pickle says the storage has more elements than its record holds."""
+    path = checkpoint(folder)
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        records = {i.filename: z.read(i) for i in z.infolist()}
+    pkl_name = next(n for n in records if n.endswith("data.pkl"))
+    data_name = next(n for n in records if n.endswith("/data/1"))
+    records[data_name] = records[data_name][:400]  # 50 of the 100 int64 elements
+    with zipfile.ZipFile(folder / "short.pt", "w") as z:
+        for name, payload in records.items():
+            z.writestr(name, payload)
+    assert pkl_name
+    with pytest.raises(CheckpointError, match="short.pt"):
+        fastpersist.load_into({"w": torch.zeros(300, 100), "b": torch.zeros(100, dtype=torch.long)},
+                              folder / "short.pt")
+    with pytest.raises(RuntimeError):  # torch.load refuses it too, in its own words
+        fastpersist.load(folder / "short.pt")
+
+
+def test_random_damage_to_the_archive_structure(folder):
+    """Bytes flipped in the central directory and end records: loading either
+    works or raises a clear error; it never crashes or reads out of bounds."""
+    path = checkpoint(folder)
+    pristine = path.read_bytes()
+    cd_start = _central_entry_offset(pristine, b"data.pkl")
+    rng = random.Random(1234)
+    outcomes = {"loaded": 0, "refused": 0}
+    for _ in range(300):
+        data = bytearray(pristine)
+        for _ in range(rng.randint(1, 4)):
+            data[rng.randrange(cd_start, len(data))] ^= 1 << rng.randrange(8)
+        path.write_bytes(bytes(data))
+        try:
+            fastpersist.load(path, weights_only=True)
+            outcomes["loaded"] += 1
+        except (CheckpointError, RuntimeError, ValueError, pickle_errors()) as exc:
+            assert str(exc)
+            outcomes["refused"] += 1
+    assert outcomes["refused"] > 50
+
+
+def pickle_errors():
+    import pickle
+
+    return pickle.UnpicklingError
+
+
+def test_errors_are_runtime_errors_like_torchs():
+    assert issubclass(CheckpointError, RuntimeError)

@@ -1,0 +1,131 @@
+"""fastpersist.load_into: tensors restored in place, checked first, nothing
+modified on a mismatch."""
+import pytest
+import torch
+
+import fastpersist
+from fastpersist.patching import original_load, original_save
+
+from conftest import SMALL
+from corpus import DTYPES, every_dtype_tensor
+
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 8),
+                               torch.nn.BatchNorm1d(8))
+
+
+def snapshot(target):
+    sd = target.state_dict() if isinstance(target, torch.nn.Module) else target
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
+
+
+def test_module_restored_in_place(folder, engine):
+    source = model()
+    source(torch.randn(4, 16))  # moves BatchNorm's running stats
+    original_save()(source.state_dict(), folder / "m.pt")
+    torch.manual_seed(1)
+    target = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 8),
+                                 torch.nn.BatchNorm1d(8))
+    pointers = {k: v.data_ptr() for k, v in target.state_dict().items()}
+    result = fastpersist.load_into(target, folder / "m.pt", engine=engine, **SMALL)
+    assert result == fastpersist.IncompatibleKeys([], [])
+    for k, v in target.state_dict().items():
+        assert torch.equal(v, source.state_dict()[k]), k
+        assert v.data_ptr() == pointers[k], f"{k} was replaced, not filled"
+
+
+def test_every_dtype_and_layouts(folder, engine):
+    base = torch.randn(10, 12)
+    stored = {str(d): every_dtype_tensor(d) for d in DTYPES}
+    stored.update(view=base[3:, 2:7], transposed=base.t(), row=base[4], zero_dim=torch.tensor(2.5),
+                  empty=torch.zeros(0, 3), big=torch.randn(300_000))
+    fastpersist.save(stored, folder / "d.pt")
+    target = {k: torch.zeros_like(v) for k, v in stored.items()}
+    target["transposed"] = torch.zeros(10, 12).t()  # a non-contiguous destination
+    fastpersist.load_into(target, folder / "d.pt", engine=engine, **SMALL)
+    expected = original_load()(folder / "d.pt")
+    for k, v in expected.items():
+        assert torch.equal(target[k].view(torch.uint8), v.view(torch.uint8)) if v.dtype.itemsize == 1 and v.dim() \
+            else torch.equal(target[k].view(torch.uint8) if v.is_floating_point() and v.dtype.itemsize == 1 else target[k],
+                             v.view(torch.uint8) if v.is_floating_point() and v.dtype.itemsize == 1 else v), k
+
+
+def test_tied_weights_share_file_bytes(folder):
+    shared = torch.randn(50, 8)
+    original_save()({"embed": shared, "head": shared, "head_t": shared.t()}, folder / "t.pt")
+    target = {"embed": torch.zeros(50, 8), "head": torch.zeros(50, 8), "head_t": torch.zeros(8, 50)}
+    fastpersist.load_into(target, folder / "t.pt")
+    assert torch.equal(target["embed"], shared) and torch.equal(target["head"], shared)
+    assert torch.equal(target["head_t"], shared.t())
+
+
+def test_training_checkpoint_with_optimizer_state(folder):
+    net = model()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    net(torch.randn(4, 16)).sum().backward()
+    opt.step()
+    original_save()({"model": net.state_dict(), "optimizer": opt.state_dict(), "epoch": 3}, folder / "ckpt.pt")
+
+    net2 = model()
+    with torch.no_grad():
+        for p in net2.parameters():
+            p.add_(1)
+    opt2 = torch.optim.Adam(net2.parameters(), lr=5e-2)
+    net2(torch.randn(4, 16)).sum().backward()
+    opt2.step()
+    state = {"model": net2.state_dict(), "optimizer": opt2.state_dict(), "epoch": 0}
+    exp_avg = opt2.state_dict()["state"][0]["exp_avg"]
+    fastpersist.load_into(state, folder / "ckpt.pt")
+    for k, v in net.state_dict().items():
+        assert torch.equal(net2.state_dict()[k], v), k
+    assert torch.equal(exp_avg, opt.state_dict()["state"][0]["exp_avg"])  # the live optimizer tensor
+    assert state["epoch"] == 3 and state["optimizer"]["param_groups"][0]["lr"] == 1e-3
+
+
+def test_mismatches_reported_together_and_nothing_modified(folder):
+    original_save()({"a": torch.ones(4), "b": torch.ones(2, 3), "c": torch.ones(3, dtype=torch.float64),
+                     "extra": torch.ones(1)}, folder / "x.pt")
+    target = {"a": torch.zeros(4), "b": torch.zeros(3, 2), "c": torch.zeros(3), "missing": torch.zeros(2)}
+    before = snapshot(target)
+    with pytest.raises(RuntimeError) as info:
+        fastpersist.load_into(target, folder / "x.pt")
+    message = str(info.value)
+    for part in ('Missing key(s) in state_dict: "missing"', 'Unexpected key(s) in state_dict: "extra"',
+                 "size mismatch for b", "dtype mismatch for c", "x.pt"):
+        assert part in message
+    for k, v in before.items():
+        assert torch.equal(target[k], v), f"{k} was modified"
+    # Not strict: keys may differ, but shapes and dtypes must still match.
+    del target["b"], target["c"]
+    result = fastpersist.load_into(target, folder / "x.pt", strict=False)
+    assert result.missing_keys == ["missing"] and sorted(result.unexpected_keys) == ["b", "c", "extra"]
+    assert torch.equal(target["a"], torch.ones(4)) and torch.equal(target["missing"], torch.zeros(2))
+
+
+def test_autograd_sees_the_in_place_write(folder):
+    """As with load_state_dict's copy_, a graph that saved the old values
+    refuses to backpropagate instead of silently using the new ones."""
+    lin = torch.nn.Linear(3, 2)
+    original_save()({"weight": torch.ones(2, 3), "bias": torch.ones(2)}, folder / "w.pt")
+    y = (lin.weight * lin.weight).sum()  # saves the weight for backward
+    fastpersist.load_into(lin, folder / "w.pt")
+    assert torch.equal(lin.weight.detach(), torch.ones(2, 3))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+def test_bad_targets(folder):
+    original_save()({"w": torch.ones(3)}, folder / "w.pt")
+    with pytest.raises(TypeError, match="nn.Module or a state dict"):
+        fastpersist.load_into([torch.zeros(3)], folder / "w.pt")
+    with pytest.raises(TypeError, match="reads from a path"):
+        with open(folder / "w.pt", "rb") as f:
+            fastpersist.load_into({"w": torch.zeros(3)}, f)
+    original_save()(torch.ones(3), folder / "bare.pt")
+    with pytest.raises(TypeError, match="not a state dict"):
+        fastpersist.load_into({"w": torch.zeros(3)}, folder / "bare.pt")
+    original_save()({"w": torch.ones(3)}, folder / "legacy.pt", _use_new_zipfile_serialization=False)
+    with pytest.raises(fastpersist.CheckpointError, match="legacy"):
+        fastpersist.load_into({"w": torch.zeros(3)}, folder / "legacy.pt")
