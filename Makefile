@@ -1,6 +1,6 @@
 # fastpersist set-up: every target installs what it needs on a fresh Debian
 # machine (as root, or with sudo), then does its job.
-#   make bench   the default save benchmark (2 GB tensor, temporary folder)
+#   make bench   the default save and load benchmarks (2 GB tensor, temporary folder)
 #   make test    the test suite
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
@@ -27,9 +27,11 @@ build: deps
 
 bench: build
 	$(PYTHON) benchmarks/torch_save_tensor.py $(BENCH_ARGS)
+	$(PYTHON) benchmarks/torch_load_tensor.py $(BENCH_ARGS)
 
 bench-model: build
 	$(PYTHON) benchmarks/torch_save_model.py --model gpt2-large --repeats 3
+	$(PYTHON) benchmarks/torch_load_model.py --model gpt2-large --repeats 3
 
 test: build
 	$(PYTHON) -m pytest -q tests

@@ -1,4 +1,4 @@
-"""Shared by the save benchmarks: run mechanisms interleaved, report medians.
+"""Shared by the save and load benchmarks: run mechanisms interleaved, report medians.
 
 Every mechanism runs once per round, in the same process and order, so
 machine noise hits them alike; the line printed per mechanism is the median
@@ -69,6 +69,17 @@ class Runner:
         self.results.setdefault(name, []).append(seconds)
         self.nbytes[name] = nbytes
         os.unlink(path)
+
+    def time(self, name: str, fn: Callable[[], int]) -> None:
+        """fn() does the work and returns the bytes it moved; timed as a whole."""
+        _clear_peak_rss()
+        rss = _status_kib("VmRSS")
+        start = time.perf_counter()
+        nbytes = fn()
+        seconds = time.perf_counter() - start
+        self.extra_rss.setdefault(name, []).append(max(0, _status_kib("VmHWM") - rss) * 1024)
+        self.results.setdefault(name, []).append(seconds)
+        self.nbytes[name] = nbytes
 
     def report(self) -> None:
         for name, times in self.results.items():
@@ -159,3 +170,108 @@ def raw_engine_write(source, nbytes: int, engine: str) -> Callable[[str], int]:
                 left -= n
         return nbytes
     return run
+
+
+# ---------------------------------------------------------------------------
+# load benchmarks
+
+
+def evict_from_page_cache(path: str) -> None:
+    """Makes the next read come from the disk, as after a restart elsewhere."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def touch_all(obj) -> None:
+    """Reads every byte of every tensor, so lazy mappings pay for their faults."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        if obj.numel():
+            obj.sum()
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            touch_all(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            touch_all(v)
+
+
+def run_load_rounds(runner: Runner, path: str, target, engines: list[str], repeats: int,
+                    vanilla: bool = True) -> None:
+    """The rounds every load benchmark runs, then the report, each from a cold
+    page cache and with every byte of the result touched: vanilla torch.load,
+    torch.load(mmap=True), then per engine fastpersist.load, load_into
+    ``target`` (existing, already touched tensors) and the raw engine reading
+    the file into an already touched buffer."""
+    import gc
+    import mmap
+
+    import fastpersist
+    import torch
+    from fastpersist import _engine
+    from fastpersist.options import Options
+    from fastpersist.patching import original_load
+    from fastpersist.writer import open_direct
+
+    size = os.path.getsize(path)
+    raw = mmap.mmap(-1, -(-size // 4096) * 4096)
+    raw_tensor = torch.frombuffer(raw, dtype=torch.uint8)
+    raw_tensor.fill_(1)  # touched once, like a model that already exists
+    raw_floats = torch.frombuffer(raw, dtype=torch.float32, count=size // 4)
+
+    results = []  # what a load returned: freed after the timing, as a job would keep it
+
+    def timed(name, fn):
+        evict_from_page_cache(path)
+        runner.time(name, fn)
+        results.clear()
+        gc.collect()
+
+    def load_with(loader, **kwargs):
+        def run():
+            results.append(loader(path, **kwargs))
+            touch_all(results[-1])
+            return size
+        return run
+
+    def load_into(engine):
+        def run():
+            fastpersist.load_into(target, path, engine=engine)
+            touch_all(target)
+            return size
+        return run
+
+    def raw_read(engine):
+        def run():
+            engine_ = _engine.acquire(Options(engine=engine))
+            direct_fd, fd = open_direct(path, os.O_RDONLY), os.open(path, os.O_RDONLY)
+            try:
+                engine_.pread_into(direct_fd, fd, raw_tensor.data_ptr(), size, 0, path)
+            finally:
+                _engine.release(engine_)
+                os.close(fd)
+                if direct_fd >= 0:
+                    os.close(direct_fd)
+            raw_floats.sum()
+            return size
+        return run
+
+    try:
+        for _ in range(repeats):
+            if vanilla:
+                timed("torch_load", load_with(original_load(), weights_only=True))
+            timed("torch_load_mmap", load_with(original_load(), weights_only=True, mmap=True))
+            for engine in engines:
+                fastpersist.patch(engine=engine)
+                timed(f"fastpersist_load[{engine}]", load_with(fastpersist.load, weights_only=True))
+                fastpersist.unpatch()
+                timed(f"fastpersist_load_into[{engine}]", load_into(engine))
+                timed(f"raw_engine_read[{engine}]", raw_read(engine))
+        runner.report()
+    finally:
+        runner.close()
