@@ -209,3 +209,96 @@ def test_auto_falls_back_when_kernel_refuses_io_uring(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "auto chose libaio" in out.stdout
     assert out.stdout.count("using the libaio engine (io_uring:") == 1, out.stdout
+
+
+@pytest.fixture
+def read_file(tmp_path):
+    """A 3 MB file of PAYLOAD bytes, opened buffered and O_DIRECT."""
+    path = tmp_path / "extents.bin"
+    data = np.tile(PAYLOAD, -(-3_000_000 // len(PAYLOAD)))[:3_000_000]
+    path.write_bytes(data.tobytes())
+    bfd = os.open(path, os.O_RDONLY)
+    dfd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    yield path, data, dfd, bfd
+    os.close(bfd)
+    os.close(dfd)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_read_extents_scatter_with_crcs(engine, read_file, direct):
+    path, data, dfd, bfd = read_file
+    # sorted, disjoint ranges: adjacent, small gaps, gaps larger than a buffer, empty, at EOF
+    extents, pos = [], 5
+    for gap, length in [(0, 1), (0, 4095), (3, 4097), (200_000, 70_000), (1, 0), (0, 65536 * 3 + 17),
+                        (7, 12), (500_000, 1_000_000)]:
+        pos += gap
+        extents.append((pos, length))
+        pos += length
+    extents.append((len(data) - 333, 333))
+    destinations = [np.zeros(n + 1, dtype=np.uint8)[1:] if i % 2 else np.zeros(n, dtype=np.uint8)
+                    for i, (_, n) in enumerate(extents)]  # odd ones deliberately misaligned
+    table = [(d.ctypes.data, off, n) for d, (off, n) in zip(destinations, extents)]
+    e = _engine.acquire(Options(engine=engine, **SMALL))
+    try:
+        copied, crcs = e.read_extents(dfd if direct else -1, bfd, table, str(path), checksums=True)
+    finally:
+        _engine.release(e)
+    assert copied == sum(n for _, n in extents)
+    for d, (off, n), crc in zip(destinations, extents, crcs):
+        assert d.tobytes() == data[off:off + n].tobytes()
+        assert crc == zlib.crc32(data[off:off + n].tobytes())
+
+
+def test_read_extents_refuses_unsorted_or_overlapping(read_file):
+    path, data, dfd, bfd = read_file
+    dst = np.zeros(100, dtype=np.uint8)
+    e = _engine.acquire(Options(**SMALL))
+    try:
+        for table in ([(dst.ctypes.data, 50, 10), (dst.ctypes.data, 0, 10)],
+                      [(dst.ctypes.data, 0, 60), (dst.ctypes.data, 50, 10)]):
+            with pytest.raises(OSError) as info:
+                e.read_extents(dfd, bfd, table, str(path))
+            assert info.value.errno == errno.EINVAL
+    finally:
+        _engine.release(e)
+
+
+def test_read_extents_short_at_end_of_file(engine, read_file):
+    path, data, dfd, bfd = read_file
+    dst = np.zeros(10_000, dtype=np.uint8)
+    e = _engine.acquire(Options(engine=engine, **SMALL))
+    try:
+        copied, _ = e.read_extents(dfd, bfd, [(dst.ctypes.data, len(data) - 4000, 10_000)], str(path))
+    finally:
+        _engine.release(e)
+    assert copied == 4000
+    assert dst[:4000].tobytes() == data[-4000:].tobytes()
+
+
+def test_pread_into_fresh_memory_with_prefault(engine, tmp_path):
+    """Large enough for the prefault helper (two 8 MiB pieces or more), into a
+    fresh mapping, at an unaligned start and end."""
+    import mmap
+
+    size = 40 << 20
+    path = tmp_path / "big.bin"
+    data = np.random.default_rng(3).integers(0, 256, size + 8192, dtype=np.uint8)
+    path.write_bytes(data.tobytes())
+    offset = 4096 * 3 + 100
+    n = size - 20_000
+    memory = mmap.mmap(-1, size + 8192)
+    view = np.frombuffer(memory, dtype=np.uint8)
+    e = _engine.acquire(Options(engine=engine))
+    bfd = os.open(path, os.O_RDONLY)
+    dfd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        got = e.pread_into(dfd, bfd, view.ctypes.data + 100, n, offset, str(path), prefault=True)
+    finally:
+        os.close(bfd)
+        os.close(dfd)
+        _engine.release(e)
+    assert got == n
+    assert view[100:100 + n].tobytes() == data[offset:offset + n].tobytes()
+    assert not view[:100].any() and not view[100 + n:].any()  # nothing written outside
+    del view
+    memory.close()
