@@ -66,37 +66,40 @@ def load(f, map_location=None, pickle_module=None, *, weights_only: Optional[boo
     import torch
     import torch.serialization as ts
 
-    # Resolve the arguments exactly as torch.load does (torch 2.13).
-    torch._C._log_api_usage_once("torch.load")
-    wo_requested = weights_only
-    if weights_only is None:
-        weights_only = ts._default_to_weights_only(pickle_module)
-    force_wo = os.getenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in _TRUE
-    force_no_wo = os.getenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0").lower() in _TRUE
-    if force_wo and force_no_wo:
-        raise RuntimeError("Only one of `TORCH_FORCE_WEIGHTS_ONLY_LOAD` or `TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD` "
-                           "should be set, but both were set.")
-    if force_wo:
-        weights_only = True
-    elif force_no_wo and wo_requested is None:
-        warnings.warn("Environment variable TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD detected, since the`weights_only` "
-                      "argument was not explicitly passed to `torch.load`, forcing weights_only=False.",
-                      UserWarning, stacklevel=2)
-        weights_only = False
-    if weights_only:
-        if pickle_module is not None:
-            raise RuntimeError("Can not safely load weights when explicit pickle_module is specified")
-    elif pickle_module is None:
-        pickle_module = pickle
-    if pickle_load_args and weights_only:
-        warnings.warn("pickle_load_args only works if `weights_only=False`.", stacklevel=2)
-    ts._check_dill_version(pickle_module)
-    pickle_load_args.setdefault("encoding", "utf-8")
-
+    # The file first: legacy and TorchScript files go to torch.load before
+    # anything below could warn twice.
     image = _CheckpointImage.open(path, current_options())
     if image is None:  # legacy format, TorchScript or compressed records: torch's own path
         return delegate()
     with image:
+        # Resolve the arguments exactly as torch.load does (torch 2.13).
+        torch._C._log_api_usage_once("torch.load")
+        wo_requested = weights_only
+        if weights_only is None:
+            weights_only = ts._default_to_weights_only(pickle_module)
+        force_wo = os.getenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in _TRUE
+        force_no_wo = os.getenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0").lower() in _TRUE
+        if force_wo and force_no_wo:
+            raise RuntimeError("Only one of `TORCH_FORCE_WEIGHTS_ONLY_LOAD` or `TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD` "
+                               "should be set, but both were set.")
+        if force_wo:
+            weights_only = True
+        elif force_no_wo and wo_requested is None:
+            warnings.warn("Environment variable TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD detected, since the"
+                          "`weights_only` argument was not explicitly passed to `torch.load`, forcing "
+                          "weights_only=False.", UserWarning, stacklevel=2)
+            weights_only = False
+        if weights_only:
+            if pickle_module is not None:
+                raise RuntimeError("Can not safely load weights when explicit pickle_module is specified")
+        elif pickle_module is None:
+            pickle_module = pickle
+        if pickle_load_args and weights_only:
+            warnings.warn("pickle_load_args only works if `weights_only=False`.", stacklevel=2)
+        ts._check_dill_version(pickle_module)
+        load_args = dict(pickle_load_args)
+        load_args.setdefault("encoding", "utf-8")
+
         image.read_all()
         if verify:
             image.verify()
@@ -106,7 +109,7 @@ def load(f, map_location=None, pickle_module=None, *, weights_only: Optional[boo
         reader = TorchArchiveReader(image.index, image.read_at, image.as_storage())
         unpickler = ts._weights_only_unpickler if weights_only else pickle_module
         try:
-            return ts._load(reader, map_location, unpickler, **pickle_load_args)
+            return ts._load(reader, map_location, unpickler, **load_args)
         except pickle.UnpicklingError:
             if not weights_only:
                 raise

@@ -273,3 +273,17 @@ def test_patched_load_round_trip(folder):
     got = torch.load(folder / "c.pt", weights_only=False)
     fastpersist.unpatch()
     assert_same(torch.load(folder / "c.pt", weights_only=False), got)
+
+
+def test_missing_file_and_warnings_like_torch(folder):
+    same_error(lambda: torch_load(folder / "nope.pt"), lambda: fastpersist.load(folder / "nope.pt"))
+    original_save()({"t": torch.ones(2)}, folder / "legacy.pt", _use_new_zipfile_serialization=False)
+    original_save()({"t": torch.ones(2)}, folder / "zip.pt")
+    for name in ("legacy.pt", "zip.pt"):
+        caught = []
+        for loader in (torch_load, fastpersist.load):
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                loader(folder / name, weights_only=True, encoding="latin1")
+            caught.append(sorted(str(x.message) for x in w))
+        assert caught[0] == caught[1], name
