@@ -21,7 +21,7 @@ import os
 import pickle
 import sys
 import warnings
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping
 from typing import Any, NamedTuple, Optional
 
 from . import _engine
@@ -252,7 +252,10 @@ def load_into(target, f, *, strict: bool = True, verify: bool = False, weights_o
     written, keys, shapes and dtypes are checked; with ``strict`` (the default)
     missing and unexpected keys are errors too, all reported in one
     RuntimeError, and nothing is modified. Non-tensor values of a dict target
-    (an optimizer's step count, its param_groups) are replaced by the file's.
+    (an optimizer's param_groups) are replaced by the file's. For an
+    optimizer, restore into ``sd = opt.state_dict()`` and then call
+    ``opt.load_state_dict(sd)`` for the hyperparameters: the state tensors,
+    already filled in place, are kept as they are, not copied again.
 
     ``verify=True`` also checks the CRC-32 of every record read; a mismatch
     raises CheckpointError after the read, and the target then holds the
@@ -277,7 +280,7 @@ def load_into(target, f, *, strict: bool = True, verify: bool = False, weights_o
     with image:
         import torch.serialization as ts
 
-        reader = TorchArchiveReader(image.index, image.read_at)
+        reader = _NativeOrderReader(image.index, image.read_at)
         unpickler = ts._weights_only_unpickler if weights_only else pickle
         stored = ts._load(reader, "meta", unpickler)  # shapes and file places only; no tensor data read
         if is_module:
@@ -290,6 +293,17 @@ def load_into(target, f, *, strict: bool = True, verify: bool = False, weights_o
         plan = _plan(image, stored_flat, target_flat, strict, is_module, target)
         plan.execute(image, verify)
     return IncompatibleKeys(plan.missing, plan.unexpected)
+
+
+class _NativeOrderReader(TorchArchiveReader):
+    """Reports the file as native byte order to the layout-only (meta) load:
+    torch 2.13 crashes (SIGSEGV) byteswapping a meta storage. The plan swaps
+    the real bytes after reading them."""
+
+    def get_record(self, name: str) -> bytes:
+        if name == "byteorder":
+            return sys.byteorder.encode("ascii")
+        return super().get_record(name)
 
 
 def _key(path: tuple) -> str:
@@ -460,7 +474,8 @@ def _plan(image: _CheckpointImage, stored: dict, target: dict, strict: bool, is_
             raise CheckpointError(f"{image.path}: the tensor '{name}' points at offset {offset}, where no record starts")
         item = value.element_size()
         view_end = (value.storage_offset() + sum((s - 1) * st for s, st in zip(value.shape, value.stride())) + 1) * item
-        if storage.nbytes() > record.size or view_end > storage.nbytes() or value.storage_offset() < 0:
+        if storage.nbytes() != record.size or view_end > storage.nbytes() or value.storage_offset() < 0:
+            # torch.load checks the first too; the second guards the pickle's view of the storage
             raise CheckpointError(f"{image.path}: the tensor '{name}' needs {max(view_end, storage.nbytes())} bytes "
                                   f"of record '{record.name}', which holds {record.size}; the file is corrupt")
         if value.is_contiguous() and dst.is_contiguous() and dst.device.type == "cpu":

@@ -1,5 +1,4 @@
 """The C engine through its binding: real files, every engine, awkward sizes and offsets."""
-import ctypes
 import errno
 import os
 import zlib

@@ -82,6 +82,9 @@ def test_training_checkpoint_with_optimizer_state(folder):
         assert torch.equal(net2.state_dict()[k], v), k
     assert torch.equal(exp_avg, opt.state_dict()["state"][0]["exp_avg"])  # the live optimizer tensor
     assert state["epoch"] == 3 and state["optimizer"]["param_groups"][0]["lr"] == 1e-3
+    opt2.load_state_dict(state["optimizer"])  # hyperparameters; keeps the tensors just filled
+    assert opt2.param_groups[0]["lr"] == 1e-3
+    assert opt2.state[next(net2.parameters())]["exp_avg"].data_ptr() == exp_avg.data_ptr()
 
 
 def test_mismatches_reported_together_and_nothing_modified(folder):
@@ -129,3 +132,21 @@ def test_bad_targets(folder):
     original_save()({"w": torch.ones(3)}, folder / "legacy.pt", _use_new_zipfile_serialization=False)
     with pytest.raises(fastpersist.CheckpointError, match="legacy"):
         fastpersist.load_into({"w": torch.zeros(3)}, folder / "legacy.pt")
+
+
+def test_big_endian_file(folder):
+    import zipfile
+
+    values = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    original_save()({"x": values, "t": values.t()}, folder / "little.pt")
+    with zipfile.ZipFile(folder / "little.pt") as src, zipfile.ZipFile(folder / "big.pt", "w") as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename.endswith("/byteorder"):
+                data = b"big"
+            elif "/data/" in info.filename:
+                data = b"".join(data[i:i + 4][::-1] for i in range(0, len(data), 4))
+            dst.writestr(info.filename, data)
+    target = {"x": torch.zeros(3, 4), "t": torch.zeros(4, 3)}
+    fastpersist.load_into(target, folder / "big.pt")
+    assert torch.equal(target["x"], values) and torch.equal(target["t"], values.t())

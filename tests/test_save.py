@@ -17,7 +17,7 @@ import fastpersist
 from fastpersist.writer import FastFileWriter
 
 from conftest import SMALL, leftovers, mounted, vanilla_load
-from corpus import DTYPES, assert_same, corpus, every_dtype_tensor, float8_dtypes  # noqa: F401
+from corpus import assert_same, corpus
 
 
 def test_round_trip_corpus_through_vanilla_load(folder, engine):
