@@ -213,7 +213,6 @@ class _CheckpointImage:
 
     def verify(self) -> None:
         """Every record's CRC-32 against the central directory's."""
-        _, ffi = _engine._load()
         if not self.index.has_checksums:
             raise CheckpointError(f"{self.path}: saved without CRC-32 checksums "
                                   "(torch.utils.serialization.config.save.compute_crc32=False); cannot verify it")
