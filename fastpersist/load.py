@@ -16,6 +16,7 @@ engine's buffers into its destination.
 """
 from __future__ import annotations
 
+import contextlib
 import mmap as _mmap
 import os
 import pickle
@@ -186,14 +187,8 @@ class _CheckpointImage:
         if hasattr(_mmap, "MADV_NOHUGEPAGE"):
             memory.madvise(_mmap.MADV_NOHUGEPAGE)
         address = int(ffi.cast("uintptr_t", ffi.from_buffer(memory)))
-        direct_fd = open_direct(self.path, os.O_RDONLY) if self.options.direct else -1
-        engine = _engine.acquire(self.options)
-        try:
+        with reading_engine(self.path, self.options) as (engine, direct_fd):
             got = engine.pread_into(direct_fd, self.fd, address, self.size, 0, self.path, prefault=True)
-        finally:
-            _engine.release(engine)
-            if direct_fd >= 0:
-                os.close(direct_fd)
         if got != self.size:
             raise CheckpointError(f"{self.path}: the file ended after {got} of {self.size} bytes "
                                   "(did it shrink while being read?)")
@@ -213,13 +208,48 @@ class _CheckpointImage:
 
     def verify(self) -> None:
         """Every record's CRC-32 against the central directory's."""
+        self.require_checksums()
+        for r in self.index.records.values():
+            if r.size:
+                self.check_crc(r, _engine.crc32(self.view[r.data_offset:r.data_offset + r.size]))
+
+    def require_checksums(self) -> None:
         if not self.index.has_checksums:
             raise CheckpointError(f"{self.path}: saved without CRC-32 checksums "
                                   "(torch.utils.serialization.config.save.compute_crc32=False); cannot verify it")
-        for r in self.index.records.values():
-            if r.size and _engine.crc32(self.view[r.data_offset:r.data_offset + r.size]) != r.crc:
-                raise CheckpointError(f"{self.path}: record '{r.name}' fails its CRC-32 check "
-                                      f"({r.size} bytes at offset {r.data_offset}); the file is corrupt")
+
+    def check_crc(self, record, crc: int, consequence: str = "") -> None:
+        if crc != record.crc:
+            raise CheckpointError(f"{self.path}: record '{record.name}' fails its CRC-32 check "
+                                  f"({record.size} bytes at offset {record.data_offset}); the file is corrupt"
+                                  + consequence)
+
+    def record_crc(self, record) -> int:
+        """CRC-32 of a record read from the file in pieces (no whole-record allocation)."""
+        crc, offset, end = 0, record.data_offset, record.data_offset + record.size
+        while offset < end:
+            piece = os.pread(self.fd, min(16 << 20, end - offset), offset)
+            if not piece:
+                raise CheckpointError(f"{self.path}: the file ended inside record '{record.name}'")
+            crc = _engine.crc32(piece, crc)
+            offset += len(piece)
+        return crc
+
+
+@contextlib.contextmanager
+def reading_engine(path: str, options: Options):
+    """An engine from the pool and an O_DIRECT descriptor for path (-1 where
+    refused or not wanted), returned to the pool and closed afterwards."""
+    direct_fd = open_direct(path, os.O_RDONLY) if options.direct else -1
+    try:
+        engine = _engine.acquire(options)
+        try:
+            yield engine, direct_fd
+        finally:
+            _engine.release(engine)
+    finally:
+        if direct_fd >= 0:
+            os.close(direct_fd)
 
 
 def _close_quietly(fd: int) -> None:
@@ -282,10 +312,9 @@ def load_into(target, f, *, strict: bool = True, verify: bool = False, weights_o
         reader = _NativeOrderReader(image.index, image.read_at)
         unpickler = ts._weights_only_unpickler if weights_only else pickle
         stored = ts._load(reader, "meta", unpickler)  # shapes and file places only; no tensor data read
-        if is_module:
-            stored_flat = _flatten(stored, "state dict")
+        if is_module:  # a module's keys are already dotted paths: match them as single keys
+            stored_flat = {(_key(k),): v for k, v in _flatten(stored, "state dict").items()}
             target_flat = {(k,): v for k, v in target.state_dict(keep_vars=True).items()}
-            stored_flat = {(".".join(map(str, k)),): v for k, v in stored_flat.items()}
         else:
             stored_flat = _flatten(stored, "checkpoint")
             target_flat = _flatten(target, "target")
@@ -325,36 +354,34 @@ def _flatten(obj, what: str, prefix: tuple = ()) -> dict:
 
 
 class _Plan:
-    def __init__(self):
+    def __init__(self, target, swap: bool):
+        self.target = target
+        self.swap = swap   # the file's byte order is not this machine's: stage and swap everything
         self.direct = []   # (file offset, nbytes, destination tensor)
         self.staged = []   # (file offset of the storage, storage nbytes, meta tensor, destination tensor)
         self.values = []   # (key path, value) for non-tensor leaves of a dict target
         self.missing: list = []
         self.unexpected: list = []
-        self.target = None
 
     def execute(self, image: _CheckpointImage, verify: bool) -> None:
         import torch
 
-        swap = self._needs_byteswap(image)
-        extents, finish = [], []
-        for offset, nbytes, dst in self.direct:
-            if swap:
-                self.staged.append((offset, nbytes, dst.new_empty(dst.shape, device="meta"), dst))
-                continue
-            extents.append((dst.data_ptr(), offset, nbytes, dst))
-        for offset, nbytes, meta, dst in self.staged:
-            tmp = torch.empty(nbytes, dtype=torch.uint8)
-            extents.append((tmp.data_ptr(), offset, nbytes, tmp))
-            finish.append((tmp, meta, dst))
+        extents = [(dst.data_ptr(), offset, nbytes) for offset, nbytes, dst in self.direct]
+        temporaries = {}  # one per stored storage, however many tensors view it
+        for offset, nbytes, _, _ in self.staged:
+            if (offset, nbytes) not in temporaries:
+                tmp = temporaries[offset, nbytes] = torch.empty(nbytes, dtype=torch.uint8)
+                extents.append((tmp.data_ptr(), offset, nbytes))
         checksums = self._read(image, extents, verify)
         with torch.no_grad():
-            for tmp, meta, dst in finish:
-                storage = tmp.untyped_storage()
-                if swap:
+            swapped = set()
+            for offset, nbytes, meta, dst in self.staged:
+                storage = temporaries[offset, nbytes].untyped_storage()
+                if self.swap and (offset, nbytes) not in swapped:
                     storage.byteswap(meta.dtype)
-                view = torch.empty(0, dtype=meta.dtype).set_(storage, meta.storage_offset() if meta.numel() else 0,
-                                                              meta.shape, meta.stride())
+                    swapped.add((offset, nbytes))
+                view = torch.empty(0, dtype=meta.dtype).set_(storage, meta.storage_offset(), meta.shape,
+                                                              meta.stride())
                 dst.copy_(view)
             for _, _, dst in self.direct:
                 torch.autograd.graph.increment_version(dst)  # like an in-place copy_
@@ -367,61 +394,48 @@ class _Plan:
             self._verify(image, checksums)
 
     @staticmethod
-    def _needs_byteswap(image: _CheckpointImage) -> bool:
-        records = image.index.records
-        if "byteorder" in records:
-            order = TorchArchiveReader(image.index, image.read_at).get_record("byteorder")
-        else:
-            order = b"little"  # torch's default for files without the record
-        return order.decode("ascii", "replace") != sys.byteorder
-
-    @staticmethod
     def _read(image: _CheckpointImage, extents: list, checksums: bool) -> dict:
-        """Reads extents in passes of non-overlapping ones (tied tensors share
-        file bytes); returns {(offset, nbytes): crc} with checksums."""
+        """Reads (address, offset, nbytes) extents in passes of non-overlapping
+        ones (tied tensors share file bytes); returns {(offset, nbytes): crc}
+        with checksums."""
         crcs = {}
         pending = sorted((e for e in extents if e[2]), key=lambda e: (e[1], e[2]))
-        direct_fd = open_direct(image.path, os.O_RDONLY) if image.options.direct else -1
-        engine = _engine.acquire(image.options)
-        try:
+        with reading_engine(image.path, image.options) as (engine, direct_fd):
             while pending:
                 batch, rest, end = [], [], -1
                 for e in pending:
-                    (batch if e[1] >= end else rest).append(e)
                     if e[1] >= end:
+                        batch.append(e)
                         end = e[1] + e[2]
-                copied, sums = engine.read_extents(direct_fd, image.fd, [e[:3] for e in batch], image.path,
-                                                   checksums=checksums)
+                    else:
+                        rest.append(e)
+                copied, sums = engine.read_extents(direct_fd, image.fd, batch, image.path, checksums=checksums)
                 if copied != sum(e[2] for e in batch):
                     raise CheckpointError(f"{image.path}: the file ended early while reading tensors "
                                           "(did it shrink while being read?)")
                 if checksums:
                     crcs.update(((e[1], e[2]), c) for e, c in zip(batch, sums))
                 pending = rest
-        finally:
-            _engine.release(engine)
-            if direct_fd >= 0:
-                os.close(direct_fd)
         return crcs
 
     @staticmethod
     def _verify(image: _CheckpointImage, crcs: dict) -> None:
+        image.require_checksums()
         index = image.index
-        if not index.has_checksums:
-            raise CheckpointError(f"{image.path}: saved without CRC-32 checksums "
-                                  "(torch.utils.serialization.config.save.compute_crc32=False); cannot verify it")
-        reader = TorchArchiveReader(index, image.read_at)
         for r in index.records.values():
             if not r.size:
                 continue
             index.resolve(image.read_at, [r.name])
             crc = crcs.get((r.data_offset, r.size))
             if crc is None:  # not read whole into a tensor: check it on its own
-                crc = _engine.crc32(reader.get_record(r.name))
-            if crc != r.crc:
-                raise CheckpointError(f"{image.path}: record '{r.name}' fails its CRC-32 check "
-                                      f"({r.size} bytes at offset {r.data_offset}); the file is corrupt, "
-                                      "and the tensors read from it hold its corrupt bytes")
+                crc = image.record_crc(r)
+            image.check_crc(r, crc, ", and the tensors read from it hold its corrupt bytes")
+
+
+def _file_byte_order(image: _CheckpointImage) -> str:
+    if "byteorder" not in image.index.records:
+        return "little"  # torch's default for files without the record
+    return TorchArchiveReader(image.index, image.read_at).get_record("byteorder").decode("ascii", "replace")
 
 
 def _plan(image: _CheckpointImage, stored: dict, target: dict, strict: bool, is_module: bool,
@@ -429,12 +443,11 @@ def _plan(image: _CheckpointImage, stored: dict, target: dict, strict: bool, is_
     """Matches stored leaves to target leaves; raises on any mismatch before anything is written."""
     import torch
 
-    plan = _Plan()
-    plan.target = target_obj
+    plan = _Plan(target_obj, swap=_file_byte_order(image) != sys.byteorder)
     plan.missing = [_key(k) for k in target if k not in stored]
     plan.unexpected = [_key(k) for k in stored if k not in target]
     errors = []
-    records_at = None
+    records_at = image.index.by_data_offset()  # the layout pass has located every stored record
     for path, value in stored.items():
         if path not in target:
             continue
@@ -466,8 +479,6 @@ def _plan(image: _CheckpointImage, stored: dict, target: dict, strict: bool, is_
             continue
         storage = value.untyped_storage()
         offset = getattr(storage, "_checkpoint_offset", None)
-        if records_at is None:
-            records_at = image.index.by_data_offset()
         record = records_at.get(offset)
         if record is None:
             raise CheckpointError(f"{image.path}: the tensor '{name}' points at offset {offset}, where no record starts")
@@ -477,7 +488,7 @@ def _plan(image: _CheckpointImage, stored: dict, target: dict, strict: bool, is_
             # torch.load checks the first too; the second guards the pickle's view of the storage
             raise CheckpointError(f"{image.path}: the tensor '{name}' needs {max(view_end, storage.nbytes())} bytes "
                                   f"of record '{record.name}', which holds {record.size}; the file is corrupt")
-        if value.is_contiguous() and dst.is_contiguous() and dst.device.type == "cpu":
+        if value.is_contiguous() and dst.is_contiguous() and dst.device.type == "cpu" and not plan.swap:
             start = offset + value.storage_offset() * item
             plan.direct.append((start, value.numel() * item, dst))
         else:

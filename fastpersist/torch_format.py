@@ -336,7 +336,7 @@ class ArchiveIndex:
         eocd_offset = tail_start + at
         (_, _, _, _, count, cd_size, cd_offset, _) = _EOCD.unpack_from(tail, at)
         locator_offset = eocd_offset - _ZIP64_LOCATOR.size
-        if locator_offset >= 0 and self._peek(read_at, locator_offset, 4) == b"PK\x06\x07":
+        if locator_offset >= 0 and read_at(locator_offset, 4) == b"PK\x06\x07":
             _, _, end64_offset, _ = _ZIP64_LOCATOR.unpack(
                 self._read_exact(read_at, locator_offset, _ZIP64_LOCATOR.size, "zip64 locator"))
             if end64_offset + _ZIP64_EOCD.size > locator_offset:
@@ -355,10 +355,6 @@ class ArchiveIndex:
             raise self._error(f"the central directory claims {count} records in {cd_size} bytes")
         cd = self._read_exact(read_at, cd_offset, cd_size, "central directory")
         self._parse_central_directory(cd, count, cd_offset)
-
-    @staticmethod
-    def _peek(read_at, offset: int, n: int) -> bytes:
-        return read_at(offset, n)
 
     def _parse_central_directory(self, cd: bytes, count: int, cd_offset: int) -> None:
         pos = 0
@@ -492,19 +488,17 @@ class TorchArchiveReader:
         return self.get_record(".data/serialization_id").decode("ascii", "replace")
 
     def get_storage_from_record(self, name: str, nbytes: int, storage_type):
-        """A uint8 tensor over the record's first nbytes: a slice of the
-        whole-file storage (no copy) when there is one, else a fresh read."""
+        """A uint8 tensor over the record: a slice of the whole-file storage, no copy."""
         import torch
 
+        if self._storage is None:
+            raise RuntimeError("this reader has no file image to take storages from (a layout-only load)")
         r = self.index.entry(name)
         if nbytes != r.size:  # torch.load's check too
             raise self.index._error(f"record '{name}' holds {r.size} bytes, but the pickle says {nbytes}; "
                                     "the file is corrupt")
         offset = self.get_record_offset(name)
-        if self._storage is not None:
-            return torch.empty(0, dtype=torch.uint8).set_(self._storage[offset:offset + nbytes])
-        data = bytearray(self._read_at(offset, nbytes))
-        return torch.frombuffer(data, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+        return torch.empty(0, dtype=torch.uint8).set_(self._storage[offset:offset + nbytes])
 
 
 __all__ = [
