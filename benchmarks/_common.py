@@ -213,10 +213,9 @@ def run_load_rounds(runner: Runner, path: str, target, engines: list[str], repea
 
     import fastpersist
     import torch
-    from fastpersist import _engine
+    from fastpersist.load import reading_engine
     from fastpersist.options import Options
     from fastpersist.patching import original_load
-    from fastpersist.writer import open_direct
 
     size = os.path.getsize(path)
     raw = mmap.mmap(-1, -(-size // 4096) * 4096)
@@ -248,15 +247,12 @@ def run_load_rounds(runner: Runner, path: str, target, engines: list[str], repea
 
     def raw_read(engine):
         def run():
-            engine_ = _engine.acquire(Options(engine=engine))
-            direct_fd, fd = open_direct(path, os.O_RDONLY), os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY)
             try:
-                engine_.pread_into(direct_fd, fd, raw_tensor.data_ptr(), size, 0, path)
+                with reading_engine(path, Options(engine=engine)) as (engine_, direct_fd):
+                    engine_.pread_into(direct_fd, fd, raw_tensor.data_ptr(), size, 0, path)
             finally:
-                _engine.release(engine_)
                 os.close(fd)
-                if direct_fd >= 0:
-                    os.close(direct_fd)
             raw_floats.sum()
             return size
         return run

@@ -66,6 +66,31 @@ def storage_bytes(obj) -> int:
     return sum(seen.values())
 
 
+def model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="gpt2-large", choices=models.names(), help="model to build (see --list)")
+    parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="parameter dtype")
+    parser.add_argument("--optimizer", action="store_true",
+                        help="also checkpoint Adam-style state (exp_avg, exp_avg_sq per parameter)")
+
+
+def build_checkpoint(args) -> tuple[dict, float]:
+    """{'model': state_dict[, 'optimizer': Adam state], 'step': n} and the seconds it took."""
+    start = time.perf_counter()
+    model = models.build(args.model, DTYPES[args.dtype])
+    checkpoint = {"model": model.state_dict()}
+    if args.optimizer:
+        checkpoint["optimizer"] = adam_state(model)
+    checkpoint["step"] = STEP
+    return checkpoint, time.perf_counter() - start
+
+
+def describe(args, checkpoint: dict, built: float) -> str:
+    return (f"torch {torch.__version__}; model {args.model} ({models.get_config(args.model).note}): "
+            f"{models.param_count(args.model):,} params, {args.dtype}"
+            f"{' + Adam state' if args.optimizer else ''}; checkpoint {storage_bytes(checkpoint) / 1e9:.2f} GB "
+            f"of tensor data ({len(checkpoint['model'])} model keys; built in {built:.1f} s)")
+
+
 def list_models() -> None:
     print(f"{'name':<12} {'arch':<5} {'layers':>6} {'d':>5} {'heads':>7} {'ffn':>6} {'vocab':>7} "
           f"{'tied':>4} {'params':>14} {'fp32 GB':>8} {'bf16 GB':>8}  note")
@@ -80,10 +105,7 @@ def list_models() -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="gpt2-large", choices=models.names(), help="model to build (see --list)")
-    parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="parameter dtype")
-    parser.add_argument("--optimizer", action="store_true",
-                        help="also checkpoint Adam-style state (exp_avg, exp_avg_sq per parameter)")
+    model_arguments(parser)
     parser.add_argument("--list", action="store_true", help="print the model registry with sizes and exit")
     _common.common_arguments(parser)
     args = parser.parse_args(argv)
@@ -92,25 +114,15 @@ def main(argv=None) -> None:
         list_models()
         return
 
-    start = time.perf_counter()
-    model = models.build(args.model, DTYPES[args.dtype])
-    checkpoint = {"model": model.state_dict()}
-    if args.optimizer:
-        checkpoint["optimizer"] = adam_state(model)
-    checkpoint["step"] = STEP
-    built = time.perf_counter() - start
+    checkpoint, built = build_checkpoint(args)
 
     # The raw write repeats the largest tensor's storage (already touched).
     source = max((t for t in _tensors(checkpoint) if t.is_contiguous() and t.storage_offset() == 0),
                  key=lambda t: t.untyped_storage().nbytes())
-    data_bytes = storage_bytes(checkpoint)
     engines = _common.usable_engines(args.engines)
     runner = _common.Runner(args.folder)
-    print(f"# torch {torch.__version__}; model {args.model} ({models.get_config(args.model).note}): "
-          f"{models.param_count(args.model):,} params, {args.dtype}"
-          f"{' + Adam state' if args.optimizer else ''}; checkpoint {data_bytes / 1e9:.2f} GB of tensor data "
-          f"({len(checkpoint['model'])} model keys; built in {built:.1f} s); folder {runner.folder}; "
-          f"{args.repeats} rounds, medians", flush=True)
+    print(f"# {describe(args, checkpoint, built)}; folder {runner.folder}; {args.repeats} rounds, medians",
+          flush=True)
     _common.run_rounds(runner, checkpoint, source, engines, args.repeats, vanilla=not args.no_vanilla)
 
 if __name__ == "__main__":

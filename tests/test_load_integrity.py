@@ -19,6 +19,14 @@ def checkpoint(folder, name="c.pt", **save_kwargs):
     return path
 
 
+def target(step=None):
+    """Tensors shaped like checkpoint()'s, to load_into."""
+    t = {"w": torch.zeros(300, 100), "b": torch.zeros(100, dtype=torch.long)}
+    if step is not None:
+        t["step"] = step
+    return t
+
+
 def index_of(path):
     data = path.read_bytes()
     index = ArchiveIndex.read(lambda o, n: data[o:o + n], len(data), str(path))
@@ -43,7 +51,7 @@ def test_truncated_files(folder, keep):
     with pytest.raises(CheckpointError, match="c.pt"):
         fastpersist.load(path)
     with pytest.raises(CheckpointError, match="c.pt"):
-        fastpersist.load_into({"w": torch.zeros(300, 100), "b": torch.zeros(100, dtype=torch.long)}, path)
+        fastpersist.load_into(target(), path)
 
 
 def test_bit_flip_in_tensor_data_is_caught_by_verify(folder):
@@ -56,16 +64,14 @@ def test_bit_flip_in_tensor_data_is_caught_by_verify(folder):
     assert loaded["w"].shape == (300, 100)
     with pytest.raises(CheckpointError, match=r"record 'data/0' fails its CRC-32"):
         fastpersist.load(path, verify=True)
-    target = {"w": torch.zeros(300, 100), "b": torch.zeros(100, dtype=torch.long), "step": 0}
     with pytest.raises(CheckpointError, match=r"record 'data/0' fails its CRC-32"):
-        fastpersist.load_into(target, path, verify=True)
+        fastpersist.load_into(target(step=0), path, verify=True)
 
 
 def test_verify_passes_on_intact_files_and_refuses_files_without_checksums(folder):
     path = checkpoint(folder)
     assert fastpersist.load(path, verify=True)["step"] == 7
-    target = {"w": torch.zeros(300, 100), "b": torch.zeros(100, dtype=torch.long), "step": 0}
-    fastpersist.load_into(target, path, verify=True)
+    fastpersist.load_into(target(step=0), path, verify=True)
     from torch.utils.serialization import config
 
     config.save.compute_crc32 = False
@@ -102,7 +108,7 @@ def test_record_claiming_more_bytes_than_the_file_holds(folder):
     with pytest.raises(CheckpointError, match="'.*data/0' claims 2147483632 bytes"):
         fastpersist.load(path)
     with pytest.raises(CheckpointError, match="data/0"):
-        fastpersist.load_into({"w": torch.zeros(300, 100), "b": torch.zeros(100, dtype=torch.long)}, path)
+        fastpersist.load_into(target(), path)
 
 
 def test_local_header_offset_past_the_end(folder):
@@ -130,8 +136,7 @@ def test_pickle_asking_for_more_than_the_record(folder):
             z.writestr(name, payload)
     assert pkl_name
     with pytest.raises(CheckpointError, match="short.pt"):
-        fastpersist.load_into({"w": torch.zeros(300, 100), "b": torch.zeros(100, dtype=torch.long)},
-                              folder / "short.pt")
+        fastpersist.load_into(target(), folder / "short.pt")
     with pytest.raises(RuntimeError):  # torch.load refuses it too, in its own words
         fastpersist.load(folder / "short.pt")
 
