@@ -38,12 +38,12 @@ static int aio_init(struct fp_engine *e)
     return 0;
 }
 
-static void aio_fini(struct fp_engine *e)
+/* The AIO context is not inherited by a forked child: only memory to free. */
+static void aio_fini_forked(struct fp_engine *e)
 {
     struct aio_state *s = e->backend_state;
     if (!s)
         return;
-    io_destroy(s->ctx);
     free(s->iocbs);
     free(s->pending);
     free(s->events);
@@ -51,26 +51,35 @@ static void aio_fini(struct fp_engine *e)
     e->backend_state = NULL;
 }
 
+static void aio_fini(struct fp_engine *e)
+{
+    struct aio_state *s = e->backend_state;
+    if (!s)
+        return;
+    io_destroy(s->ctx); /* waits for, or cancels, requests still in flight */
+    aio_fini_forked(e);
+}
+
 static int aio_submit(struct fp_engine *e)
 {
     struct aio_state *s = e->backend_state;
-    int done = 0;
-    while (done < s->num_pending) {
-        int rc = io_submit(s->ctx, s->num_pending - done, s->pending + done);
+    while (s->num_pending > 0) {
+        int rc = (int)fp__inject(e, FP_SITE_SUBMIT, 0);
+        if (rc == 0)
+            rc = io_submit(s->ctx, s->num_pending, s->pending);
         if (rc == -EAGAIN || rc == -EINTR)
-            continue;
+            return rc; /* the core reaps completions, then tries again */
         if (rc < 0) {
-            /* Fail the rest so nobody waits for them. */
-            int failed = s->num_pending - done;
-            struct iocb **rest = s->pending + done;
+            /* The kernel took none of them: fail them so nobody waits. */
+            int failed = s->num_pending;
             s->num_pending = 0;
             for (int i = 0; i < failed; i++)
-                fp__complete(e, rest[i]->data, rc);
+                fp__fail(e, s->pending[i]->data, rc);
             return rc;
         }
-        done += rc;
+        s->num_pending -= rc;
+        memmove(s->pending, s->pending + rc, (size_t)s->num_pending * sizeof(*s->pending));
     }
-    s->num_pending = 0;
     return 0;
 }
 
@@ -102,10 +111,9 @@ static int aio_reap(struct fp_engine *e, int min_nr)
         int64_t res = (int64_t)(long)s->events[i].res;
         fp__complete(e, r, res);
     }
-    aio_submit(e); /* retries queued by fp__complete */
-    return rc;
+    return rc; /* retries queued by fp__complete are submitted by the core */
 }
 
 const struct fp_backend fp_backend_aio = {
-    "libaio", aio_init, aio_fini, aio_queue, aio_submit, aio_reap,
+    "libaio", aio_init, aio_fini, aio_fini_forked, aio_queue, aio_submit, aio_reap,
 };

@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <stdlib.h>
 #include <sys/uio.h>
+#include <unistd.h>
 
 #include <liburing.h>
 
@@ -48,6 +49,16 @@ static void uring_fini(struct fp_engine *e)
     e->backend_state = NULL;
 }
 
+static void uring_fini_forked(struct fp_engine *e)
+{
+    struct uring_state *s = e->backend_state;
+    if (!s)
+        return;
+    close(s->ring.ring_fd); /* this process's descriptor; the ring stays the parent's */
+    free(s);
+    e->backend_state = NULL;
+}
+
 static int uring_queue(struct fp_engine *e, struct fp_request *r)
 {
     struct uring_state *s = e->backend_state;
@@ -77,8 +88,10 @@ static int uring_queue(struct fp_engine *e, struct fp_request *r)
 static int uring_submit(struct fp_engine *e)
 {
     struct uring_state *s = e->backend_state;
-    int rc = io_uring_submit(&s->ring);
-    return rc < 0 ? rc : 0;
+    int rc = (int)fp__inject(e, FP_SITE_SUBMIT, 0);
+    if (rc == 0)
+        rc = io_uring_submit(&s->ring);
+    return rc < 0 ? rc : 0; /* unsubmitted entries stay in the ring for the next try */
 }
 
 static int uring_reap(struct fp_engine *e, int min_nr)
@@ -98,11 +111,9 @@ static int uring_reap(struct fp_engine *e, int min_nr)
         fp__complete(e, r, res);
         reaped++;
     }
-    /* Retries queued by fp__complete must reach the kernel. */
-    io_uring_submit(&s->ring);
-    return reaped;
+    return reaped; /* retries queued by fp__complete are submitted by the core */
 }
 
 const struct fp_backend fp_backend_uring = {
-    "io_uring", uring_init, uring_fini, uring_queue, uring_submit, uring_reap,
+    "io_uring", uring_init, uring_fini, uring_fini_forked, uring_queue, uring_submit, uring_reap,
 };

@@ -74,6 +74,8 @@ static const struct fp_backend *backend_for(int kind)
     }
 }
 
+/* Records the first failure of the current operation. Any failure also
+ * fails the engine for good: it is never used again. */
 static void set_error(struct fp_engine *e, int err, const char *op, uint64_t off)
 {
     if (e->error == 0) {
@@ -81,14 +83,100 @@ static void set_error(struct fp_engine *e, int err, const char *op, uint64_t off
         e->error_op = op;
         e->error_offset = off;
     }
+    if (e->failed == 0)
+        e->failed = err;
 }
+
+static int forked(const struct fp_engine *e) { return getpid() != e->owner; }
+
+/* ---- fault injection (tests only) ------------------------------------- */
+
+static const struct { const char *name; int value; } fault_errnos[] = {
+    {"EIO", EIO}, {"ENOSPC", ENOSPC}, {"EAGAIN", EAGAIN}, {"EINTR", EINTR},
+    {"EPERM", EPERM}, {"ENOMEM", ENOMEM}, {"ENOSYS", ENOSYS}, {"EINVAL", EINVAL},
+    {"EBUSY", EBUSY}, {"EBADF", EBADF},
+};
+static const char *const fault_sites[] = {"write", "read", "submit", "setup", "mlock"};
+
+/* Parses one SITE:N[+]:RESULT rule of `len` bytes. */
+static int parse_fault(struct fp_engine *e, const char *rule, size_t len)
+{
+    char buf[64], *site, *nth, *result, *end;
+    if (len == 0 || len >= sizeof(buf))
+        return -EINVAL;
+    memcpy(buf, rule, len);
+    buf[len] = 0;
+    site = buf;
+    if (!(nth = strchr(site, ':')))
+        return -EINVAL;
+    *nth++ = 0;
+    if (!(result = strchr(nth, ':')))
+        return -EINVAL;
+    *result++ = 0;
+    if (strcmp(site, "open") == 0)
+        return 0; /* the caller's: the engine opens no files */
+    struct fp_fault f = {-1, 0, 0, 0};
+    for (int i = 0; i < FP_SITES; i++)
+        if (strcmp(site, fault_sites[i]) == 0)
+            f.site = i;
+    errno = 0;
+    f.nth = strtol(nth, &end, 10);
+    if (*end == '+') {
+        f.and_later = 1;
+        end++;
+    }
+    if (f.site < 0 || errno || end == nth || *end || f.nth < 1)
+        return -EINVAL;
+    if (strcmp(result, "short") == 0)
+        f.result = FP_FAULT_SHORT;
+    for (size_t i = 0; i < sizeof(fault_errnos) / sizeof(fault_errnos[0]); i++)
+        if (strcmp(result, fault_errnos[i].name) == 0)
+            f.result = -fault_errnos[i].value;
+    if (f.result == 0 || e->num_faults == FP_MAX_FAULTS)
+        return -EINVAL;
+    e->faults[e->num_faults++] = f;
+    return 0;
+}
+
+static int parse_faults(struct fp_engine *e, const char *spec)
+{
+    while (spec && *spec) {
+        const char *comma = strchr(spec, ',');
+        size_t len = comma ? (size_t)(comma - spec) : strlen(spec);
+        int rc = parse_fault(e, spec, len);
+        if (rc < 0)
+            return rc;
+        spec = comma ? comma + 1 : NULL;
+    }
+    return 0;
+}
+
+int64_t fp__inject(struct fp_engine *e, int site, int64_t res)
+{
+    if (e->num_faults == 0)
+        return res;
+    long n = ++e->fault_events[site];
+    for (int i = 0; i < e->num_faults; i++) {
+        const struct fp_fault *f = &e->faults[i];
+        if (f->site != site || (n != f->nth && !(f->and_later && n > f->nth)))
+            continue;
+        if (f->result != FP_FAULT_SHORT)
+            return f->result;
+        return res > 1 ? res / 2 : res; /* the rest is transferred again */
+    }
+    return res;
+}
+
+/* ---- engine lifetime -------------------------------------------------- */
 
 int fp_engine_create(const struct fp_config *cfg, struct fp_engine **out)
 {
     *out = NULL;
-    if (cfg->num_buffers < 2 || cfg->queue_depth < 1 || cfg->buffer_size == 0 ||
-        cfg->buffer_size % FP_ALIGN || cfg->request_size == 0 ||
-        cfg->request_size % FP_ALIGN)
+    if (cfg->num_buffers < 2 || cfg->num_buffers > FP_MAX_NUM_BUFFERS ||
+        cfg->queue_depth < 1 || cfg->queue_depth > FP_MAX_QUEUE_DEPTH ||
+        cfg->buffer_size == 0 || cfg->buffer_size % FP_ALIGN ||
+        cfg->buffer_size > FP_MAX_BUFFER_SIZE || cfg->request_size == 0 ||
+        cfg->request_size % FP_ALIGN || cfg->request_size > FP_MAX_REQUEST_SIZE)
         return -EINVAL;
     const struct fp_backend *be = backend_for(cfg->kind);
     if (!be)
@@ -98,8 +186,13 @@ int fp_engine_create(const struct fp_config *cfg, struct fp_engine **out)
     if (!e)
         return -ENOMEM;
     e->cfg = *cfg;
-    e->backend = be;
+    e->owner = getpid();
     e->direct_fd = e->buffered_fd = -1;
+    int rc = parse_faults(e, getenv("FASTPERSIST_FAULT_INJECT"));
+    if (rc < 0) {
+        free(e);
+        return rc;
+    }
 
     e->region_size = cfg->buffer_size * (size_t)cfg->num_buffers;
     e->region = mmap(NULL, e->region_size, PROT_READ | PROT_WRITE,
@@ -111,11 +204,17 @@ int fp_engine_create(const struct fp_config *cfg, struct fp_engine **out)
     }
     /* Huge pages make the one-time first touch below ~2x cheaper. */
     madvise(e->region, e->region_size, MADV_HUGEPAGE);
+    /* A forked child gets no copy of the buffers: they are the parent's (and
+     * registered with its ring), and a child must never write from them. */
+    madvise(e->region, e->region_size, MADV_DONTFORK);
     if (cfg->lock_memory) {
-        if (mlock(e->region, e->region_size) == 0)
+        int err = (int)-fp__inject(e, FP_SITE_MLOCK, 0);
+        if (err == 0 && mlock(e->region, e->region_size) != 0)
+            err = errno;
+        if (err == 0)
             e->locked = 1;
         else
-            e->lock_errno = errno;
+            e->lock_errno = err;
     }
     /* Touch every page now, so no save pays for first touch. */
     memset(e->region, 0, e->region_size);
@@ -132,12 +231,14 @@ int fp_engine_create(const struct fp_config *cfg, struct fp_engine **out)
         e->free_slots[i] = qd - 1 - i;
     e->num_free = qd;
 
-    int rc = be->init(e);
+    rc = cfg->kind == FP_ENGINE_PSYNC ? 0 : (int)fp__inject(e, FP_SITE_SETUP, 0);
+    if (rc == 0)
+        rc = be->init(e);
     if (rc < 0) {
-        e->backend = NULL; /* nothing to tear down */
-        fp_engine_destroy(e);
+        fp_engine_destroy(e); /* e->backend is still NULL: nothing to tear down */
         return rc;
     }
+    e->backend = be;
     *out = e;
     return 0;
 }
@@ -148,16 +249,31 @@ void fp_engine_destroy(struct fp_engine *e)
 {
     if (!e)
         return;
-    if (e->backend) {
-        wait_all(e); /* the kernel may still write from our buffers */
-        e->backend->fini(e);
+    if (forked(e)) {
+        /* The ring or AIO context and the buffers are the parent's: free only
+         * the child's copies of our bookkeeping (the buffers are not mapped
+         * here, MADV_DONTFORK, and the address may hold something else now). */
+        if (e->backend)
+            e->backend->fini_forked(e);
+    } else {
+        if (e->backend) {
+            wait_all(e); /* the kernel may still write from our buffers */
+            e->backend->fini(e); /* io_destroy / ring exit also cancel what wait_all could not */
+        }
+        if (e->region && e->region != MAP_FAILED)
+            munmap(e->region, e->region_size);
     }
-    if (e->region && e->region != MAP_FAILED)
-        munmap(e->region, e->region_size);
     free(e->requests);
     free(e->free_slots);
     free(e->buf_pending);
     free(e);
+}
+
+int fp_engine_usable(const struct fp_engine *e)
+{
+    if (forked(e))
+        return -ECHILD;
+    return e->failed ? -ENOTRECOVERABLE : 0;
 }
 
 int fp_engine_kind(const struct fp_engine *e) { return e->cfg.kind; }
@@ -170,7 +286,7 @@ uint64_t fp_last_error_offset(const struct fp_engine *e) { return e->error_offse
 
 void *fp_engine_buffer(const struct fp_engine *e, int index)
 {
-    if (index < 0 || index >= e->cfg.num_buffers)
+    if (index < 0 || index >= e->cfg.num_buffers || forked(e))
         return NULL;
     return e->region + (size_t)index * e->cfg.buffer_size;
 }
@@ -182,33 +298,81 @@ int fp__request_index(const struct fp_engine *e, const struct fp_request *r)
 
 /* ---- request slots ---------------------------------------------------- */
 
-static int reap(struct fp_engine *e, int min_nr)
+#define FP_SUBMIT_RETRIES 2000 /* transient refusals, 100 us apart: 0.2 s at least */
+
+/* Hands queued requests to the kernel. A transient refusal (EAGAIN: the
+ * kernel is short of resources; EBUSY: completions must be reaped first;
+ * EINTR) is retried after reaping what has completed; anything else, or a
+ * refusal that lasts, fails the engine: the queued requests may never run. */
+static int kick(struct fp_engine *e)
 {
-    int rc = e->backend->reap(e, min_nr);
-    if (rc < 0 && rc != -EINTR)
+    for (int tries = 0;; tries++) {
+        int rc = e->backend->submit(e);
+        if (rc >= 0)
+            return 0;
+        if ((rc == -EAGAIN || rc == -EBUSY || rc == -EINTR) && tries < FP_SUBMIT_RETRIES) {
+            if (e->backend->reap(e, 0) <= 0)
+                usleep(100);
+            continue;
+        }
+        set_error(e, rc, "submit", 0);
+        e->cannot_wait = 1;
+        return rc;
+    }
+}
+
+/* Submits what is queued and waits for at least one completion. */
+static int wait_one(struct fp_engine *e)
+{
+    if (e->cannot_wait)
+        return e->error ? e->error : -ENOTRECOVERABLE;
+    if (kick(e) < 0)
+        return e->error;
+    if (e->in_flight == 0)
+        return 0;
+    int rc = e->backend->reap(e, 1);
+    if (rc < 0 && rc != -EINTR) {
         set_error(e, rc, "wait", 0);
-    return rc;
+        e->cannot_wait = 1;
+        return rc;
+    }
+    return 0;
 }
 
 static int wait_all(struct fp_engine *e)
 {
-    while (e->in_flight > 0) {
-        e->backend->submit(e);
-        int rc = e->backend->reap(e, 1);
-        if (rc < 0 && rc != -EINTR && rc != -EAGAIN) {
-            set_error(e, rc, "wait", 0);
-            return rc; /* cannot make progress; the engine is unusable */
-        }
-    }
+    while (e->in_flight > 0 && !e->cannot_wait)
+        wait_one(e);
     return e->error;
+}
+
+static void release(struct fp_engine *e, struct fp_request *r)
+{
+    if (r->buf_index >= 0)
+        e->buf_pending[r->buf_index]--;
+    e->in_flight--;
+    e->free_slots[e->num_free++] = fp__request_index(e, r);
+}
+
+void fp__fail(struct fp_engine *e, struct fp_request *r, int err)
+{
+    set_error(e, err, r->is_write ? "write" : "read", r->off);
+    release(e, r);
+}
+
+/* Hands r to the backend (again, for a retry); if it refuses, r fails with its errno. */
+static void requeue(struct fp_engine *e, struct fp_request *r)
+{
+    int rc = e->backend->queue(e, r);
+    if (rc < 0)
+        fp__fail(e, r, rc);
 }
 
 static int queue_request(struct fp_engine *e, int fd, int is_write, int is_direct,
                          int buf_index, char *buf, size_t len, uint64_t off)
 {
     while (e->num_free == 0) {
-        e->backend->submit(e);
-        if (reap(e, 1) < 0 && e->error)
+        if (wait_one(e) < 0)
             return e->error;
     }
     struct fp_request *r = &e->requests[e->free_slots[--e->num_free]];
@@ -222,31 +386,18 @@ static int queue_request(struct fp_engine *e, int fd, int is_write, int is_direc
     e->in_flight++;
     if (buf_index >= 0)
         e->buf_pending[buf_index]++;
-    int rc = e->backend->queue(e, r);
-    if (rc < 0)
-        fp__complete(e, r, rc);
-    return 0;
-}
-
-static void release(struct fp_engine *e, struct fp_request *r)
-{
-    if (r->buf_index >= 0)
-        e->buf_pending[r->buf_index]--;
-    e->in_flight--;
-    e->free_slots[e->num_free++] = fp__request_index(e, r);
+    requeue(e, r);
+    return e->error;
 }
 
 /* Called by the backends for every finished request: retries interrupted
  * and short transfers, falls back to the buffered descriptor where O_DIRECT
- * is refused, and records the first failure. */
+ * is refused, and records the first failure with its own errno. */
 void fp__complete(struct fp_engine *e, struct fp_request *r, int64_t res)
 {
-    const char *op = r->is_write ? "write" : "read";
+    res = fp__inject(e, r->is_write ? FP_SITE_WRITE : FP_SITE_READ, res);
     if (res == -EAGAIN || res == -EINTR) {
-        if (e->backend->queue(e, r) < 0) {
-            set_error(e, (int)res, op, r->off);
-            release(e, r);
-        }
+        requeue(e, r);
         return;
     }
     if (res == -EINVAL && r->is_direct && e->buffered_fd >= 0) {
@@ -254,15 +405,11 @@ void fp__complete(struct fp_engine *e, struct fp_request *r, int64_t res)
         e->direct = 0;
         r->is_direct = 0;
         r->fd = e->buffered_fd;
-        if (e->backend->queue(e, r) < 0) {
-            set_error(e, (int)res, op, r->off);
-            release(e, r);
-        }
+        requeue(e, r);
         return;
     }
     if (res < 0) {
-        set_error(e, (int)res, op, r->off);
-        release(e, r);
+        fp__fail(e, r, (int)res);
         return;
     }
     if (res == 0 && r->len > 0) {
@@ -281,10 +428,7 @@ void fp__complete(struct fp_engine *e, struct fp_request *r, int64_t res)
             r->is_direct = 0; /* the remainder is no longer aligned */
             r->fd = e->buffered_fd;
         }
-        if (e->backend->queue(e, r) < 0) {
-            set_error(e, -EIO, op, r->off);
-            release(e, r);
-        }
+        requeue(e, r);
         return;
     }
     release(e, r);
@@ -305,14 +449,17 @@ static int queue_range(struct fp_engine *e, int fd, int is_write, int is_direct,
     return e->error;
 }
 
-/* Common start of a stream or a read: nothing else running, errors cleared. */
+/* Common start of a stream or a read: a usable engine, nothing else
+ * running (every operation ends with no request in flight), errors cleared. */
 static int start_operation(struct fp_engine *e, int direct_fd, int buffered_fd)
 {
+    int rc = fp_engine_usable(e);
+    if (rc < 0)
+        return rc;
     if (e->stream_active)
         return -EBUSY;
     if (buffered_fd < 0)
         return -EBADF;
-    wait_all(e);
     e->error = 0;
     e->error_op = NULL;
     e->error_offset = 0;
@@ -389,9 +536,7 @@ static int flush_current(struct fp_engine *e)
                             e->cur_base + a1);
         }
     }
-    int rc = e->backend->submit(e);
-    if (rc < 0)
-        set_error(e, rc, "submit", e->cur_base + start);
+    kick(e);
     return e->error;
 }
 
@@ -404,13 +549,15 @@ static int advance(struct fp_engine *e)
     e->cur = (e->cur + 1) % e->cfg.num_buffers;
     e->cur_start = e->cur_fill = 0;
     while (e->buf_pending[e->cur] > 0 && !e->error)
-        reap(e, 1);
+        wait_one(e);
     return e->error;
 }
 
 static int stream_put(struct fp_engine *e, const void *src, size_t n, uint32_t *crc)
 {
     const char *p = src;
+    if (forked(e))
+        return -ECHILD; /* the buffers are not mapped in this process */
     if (!e->stream_active)
         return -EINVAL;
     while (n > 0) {
@@ -452,6 +599,8 @@ int fp_stream_zero(struct fp_engine *e, size_t n) { return stream_put(e, NULL, n
 
 int fp_stream_end(struct fp_engine *e)
 {
+    if (forked(e))
+        return -ECHILD;
     if (!e->stream_active)
         return -EINVAL;
     if (!e->error)
@@ -471,7 +620,8 @@ int fp_stream_end(struct fp_engine *e)
 
 void fp_stream_abort(struct fp_engine *e)
 {
-    wait_all(e);
+    if (!forked(e))
+        wait_all(e);
     e->stream_active = 0;
 }
 
@@ -541,10 +691,9 @@ int64_t fp_read_extents(struct fp_engine *e, int direct_fd, int buffered_fd,
         }
         if (done == issued)
             break;
-        e->backend->submit(e);
         int b = (int)(done % (size_t)nb);
         while (e->buf_pending[b] > 0 && !e->error)
-            reap(e, 1);
+            wait_one(e);
         if (e->error)
             break;
         const char *buf = fp_engine_buffer(e, b);
@@ -628,7 +777,7 @@ static void read_direct(struct fp_engine *e, char *d, size_t len, uint64_t off, 
         size_t n = len - k < FP_PREFAULT_CHUNK ? len - k : FP_PREFAULT_CHUNK;
         prefault_wait(p, (size_t)(d + k + n - p->base));
         queue_range(e, e->direct_fd, 0, 1, -1, d + k, n, off + k);
-        e->backend->submit(e);
+        kick(e);
     }
 }
 
@@ -672,7 +821,6 @@ int64_t fp_pread(struct fp_engine *e, int direct_fd, int buffered_fd, void *dst,
             pthread_cond_destroy(&p->cond);
         }
     }
-    e->backend->submit(e);
     wait_all(e);
     if (e->error)
         return e->error;

@@ -6,7 +6,25 @@
  * The engine knows nothing of Python or torch. Every function that can fail
  * returns 0 (or a count) on success and -errno on failure; it never exits.
  * Details of the first failure (operation, file offset) are kept in the
- * engine and can be read with fp_last_error().
+ * engine and can be read with fp_last_error_op()/fp_last_error_offset().
+ *
+ * Errors that every operation may return besides those of the I/O itself:
+ *   -ECHILD           the engine was created by another process: after fork()
+ *                     its ring, AIO context and buffers belong to the parent
+ *                     (the buffers are not even mapped in the child), so the
+ *                     child must create engines of its own.
+ *   -ENOTRECOVERABLE  an earlier operation failed; a failed engine is never
+ *                     reused (its in-flight accounting may not be trustworthy).
+ *
+ * Test-only fault injection: FASTPERSIST_FAULT_INJECT, read once by
+ * fp_engine_create, is a comma-separated list of SITE:N:RESULT rules. The
+ * N-th event at SITE (N+ : the N-th and every later one) gets RESULT, an
+ * errno name (EIO, ENOSPC, EAGAIN, EINTR, EPERM, ENOMEM, ENOSYS, EINVAL, EBUSY,
+ * EBADF) or "short" (a transfer that moved half its bytes). Sites: write and
+ * read (request completions), submit (handing requests to the kernel), setup
+ * (backend start in fp_engine_create; psync has none), mlock, and open (not
+ * used by the engine: reserved for the caller that opens the files). A
+ * malformed list makes fp_engine_create fail with -EINVAL.
  */
 #ifndef FP_ENGINE_H
 #define FP_ENGINE_H
@@ -20,11 +38,20 @@ enum fp_engine_kind {
     FP_ENGINE_URING = 2, /* io_uring through liburing */
 };
 
+/* Bounds of struct fp_config. I/O lengths and results are 32-bit in
+ * io_uring, and num_buffers sizes arrays on the stack. */
+enum {
+    FP_MAX_BUFFER_SIZE = 1073741824,  /* 1 GiB */
+    FP_MAX_REQUEST_SIZE = 1073741824, /* 1 GiB */
+    FP_MAX_NUM_BUFFERS = 64,
+    FP_MAX_QUEUE_DEPTH = 4096,
+};
+
 struct fp_config {
     int kind;              /* enum fp_engine_kind */
     size_t buffer_size;    /* bytes per bounce buffer, multiple of 4096 */
-    int num_buffers;       /* >= 2: one is filled while the others are in flight */
-    int queue_depth;       /* requests in flight at most */
+    int num_buffers;       /* 2..FP_MAX_NUM_BUFFERS: one is filled while the others are in flight */
+    int queue_depth;       /* requests in flight at most, 1..FP_MAX_QUEUE_DEPTH */
     size_t request_size;   /* bytes per I/O request, multiple of 4096 */
     int lock_memory;       /* try mlock() on the buffers */
 };
@@ -34,21 +61,29 @@ struct fp_engine;
 /* 1 if support for `kind` was compiled in. */
 int fp_kind_compiled(int kind);
 
-/* Creates an engine. Fails with -EPERM/-ENOSYS etc. when the kernel refuses
- * the backend (io_uring disabled, seccomp), so callers can fall back. */
+/* Creates an engine. Fails with -EINVAL for a configuration out of bounds,
+ * with -EPERM/-ENOSYS etc. when the kernel refuses the backend (io_uring
+ * disabled, seccomp), so callers can fall back. */
 int fp_engine_create(const struct fp_config *cfg, struct fp_engine **out);
+/* Waits for requests in flight and frees everything. In a process other
+ * than the creator (after fork) it only frees what that process owns. */
 void fp_engine_destroy(struct fp_engine *e);
+
+/* 0 while the engine can be used; otherwise -ECHILD (created by another
+ * process) or -ENOTRECOVERABLE (an operation failed). */
+int fp_engine_usable(const struct fp_engine *e);
 
 int fp_engine_kind(const struct fp_engine *e);
 /* 1 if the buffers are locked in memory, 0 if mlock was refused or not asked. */
 int fp_engine_memory_locked(const struct fp_engine *e);
 /* errno of the refused mlock, 0 if none. */
 int fp_engine_lock_errno(const struct fp_engine *e);
+/* NULL for a bad index, or in a process other than the creator. */
 void *fp_engine_buffer(const struct fp_engine *e, int index);
 size_t fp_engine_buffer_size(const struct fp_engine *e);
 int fp_engine_num_buffers(const struct fp_engine *e);
 
-/* Operation and file offset of the last failure. */
+/* Operation and file offset of the first failure. */
 const char *fp_last_error_op(const struct fp_engine *e);
 uint64_t fp_last_error_offset(const struct fp_engine *e);
 
@@ -77,7 +112,8 @@ int fp_stream_write(struct fp_engine *e, const void *src, size_t n, uint32_t *cr
 int fp_stream_zero(struct fp_engine *e, size_t n);
 /* Writes what is buffered, waits for every request, ends the stream. */
 int fp_stream_end(struct fp_engine *e);
-/* Ends the stream without writing what is still buffered (after an error). */
+/* Ends the stream without writing what is still buffered (after an error);
+ * waits for the requests already in flight. */
 void fp_stream_abort(struct fp_engine *e);
 uint64_t fp_stream_offset(const struct fp_engine *e);
 int fp_stream_direct(const struct fp_engine *e);

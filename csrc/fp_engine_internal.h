@@ -2,6 +2,8 @@
 #ifndef FP_ENGINE_INTERNAL_H
 #define FP_ENGINE_INTERNAL_H
 
+#include <sys/types.h>
+
 #include "fp_engine.h"
 
 #define FP_ALIGN 4096u
@@ -20,17 +22,34 @@ struct fp_backend {
     const char *name;
     int (*init)(struct fp_engine *e);
     void (*fini)(struct fp_engine *e);
+    /* Frees what a forked child owns of the backend state, touching nothing
+     * shared with the parent (no waiting, no teardown of the kernel object). */
+    void (*fini_forked)(struct fp_engine *e);
     /* Queues one request; may submit earlier ones to make room. */
     int (*queue)(struct fp_engine *e, struct fp_request *r);
-    /* Hands queued requests to the kernel. */
+    /* Hands queued requests to the kernel. -EAGAIN, -EBUSY or -EINTR: some
+     * are still queued, try again after reaping; other errors are final. */
     int (*submit)(struct fp_engine *e);
     /* Waits for at least min_nr completions (0: only those ready) and
      * reports each with fp__complete(). Returns the number reaped or -errno. */
     int (*reap)(struct fp_engine *e, int min_nr);
 };
 
+/* Test-only fault injection (FASTPERSIST_FAULT_INJECT, see fp_engine.h). */
+enum fp_fault_site { FP_SITE_WRITE, FP_SITE_READ, FP_SITE_SUBMIT, FP_SITE_SETUP, FP_SITE_MLOCK, FP_SITES };
+#define FP_FAULT_SHORT 1 /* result: a transfer that moved half its bytes */
+#define FP_MAX_FAULTS 8
+
+struct fp_fault {
+    int site;
+    long nth;
+    int and_later;
+    int result;  /* -errno or FP_FAULT_SHORT */
+};
+
 struct fp_engine {
     struct fp_config cfg;
+    pid_t owner;            /* the process that created the engine */
     const struct fp_backend *backend;
     void *backend_state;
 
@@ -48,6 +67,12 @@ struct fp_engine {
     int error;              /* first -errno of the current operation */
     const char *error_op;
     uint64_t error_offset;
+    int failed;             /* an operation failed: never used again */
+    int cannot_wait;        /* submit or wait failed: requests may never complete */
+
+    struct fp_fault faults[FP_MAX_FAULTS];
+    int num_faults;
+    long fault_events[FP_SITES];
 
     /* write stream */
     int stream_active;
@@ -66,6 +91,10 @@ struct fp_engine {
 };
 
 void fp__complete(struct fp_engine *e, struct fp_request *r, int64_t res);
+/* Fails a request the kernel never took: records err, frees the slot. */
+void fp__fail(struct fp_engine *e, struct fp_request *r, int err);
+/* The result of the next event at `site`: `res`, unless a fault rule says otherwise. */
+int64_t fp__inject(struct fp_engine *e, int site, int64_t res);
 int fp__request_index(const struct fp_engine *e, const struct fp_request *r);
 
 extern const struct fp_backend fp_backend_psync;
