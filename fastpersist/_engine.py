@@ -1,8 +1,14 @@
 """Thin Python face of the C engine: engine selection, errno -> OSError, and a
-pool of engines so their pre-touched buffers are reused from save to save.
+bounded pool of engines so their pre-touched buffers are reused from save to
+save.
 
 cffi releases the GIL for every call into the engine, so copying, checksums
 and waiting on the disk run without holding it.
+
+Fork: an engine belongs to the process that created it (its ring, AIO
+context and registered buffers are the parent's; the C engine refuses to run
+anywhere else). A forked child starts with an empty pool and creates its own.
+An engine whose operation failed is never handed out again.
 """
 from __future__ import annotations
 
@@ -53,7 +59,7 @@ def crc32(data, crc: int = 0) -> int:
 class Engine:
     """One I/O context: a ring (or AIO context) and its bounce buffers."""
 
-    def __init__(self, kind: str, options: Options):
+    def __init__(self, kind: str, options: Options, generation: int = 0):
         lib, ffi = _load()
         cfg = ffi.new("struct fp_config *")
         cfg.kind = _KINDS[kind]
@@ -73,14 +79,29 @@ class Engine:
         self.lock_errno = lib.fp_engine_lock_errno(self._handle)
         self._crc = ffi.new("uint32_t *")
         self._path = None
+        self.generation = generation  # the pool's, at creation (a fork starts a new one)
+        self.pid = os.getpid()
 
     # -- errors ---------------------------------------------------------
+    @property
+    def usable(self) -> bool:
+        """False once an operation failed, and in any process but the creator."""
+        lib, _ = _load()
+        return lib.fp_engine_usable(self._handle) == 0
+
     def _check(self, rc: int, what: str) -> int:
         if rc < 0:
             lib, ffi = _load()
+            err = -rc
+            if err == errno.ECHILD and os.getpid() != self.pid:
+                raise OSError(err, f"this fastpersist {self.kind} engine was created by process {self.pid} and "
+                                   f"cannot be used in process {os.getpid()} after fork(); a file being written "
+                                   "or read across fork() must be reopened in the child", self._path)
             op = ffi.string(lib.fp_last_error_op(self._handle)).decode() or what
             offset = lib.fp_last_error_offset(self._handle)
-            err = -rc
+            if err == errno.ENOTRECOVERABLE:
+                raise OSError(err, f"this fastpersist {self.kind} engine failed earlier ({op} at offset {offset}) "
+                                   "and is not used again", self._path)
             raise OSError(err, f"{os.strerror(err)} (fastpersist {self.kind} {op} at offset {offset})", self._path)
         return rc
 
@@ -162,10 +183,18 @@ class Engine:
 
 # ---------------------------------------------------------------------------
 # engine pool
+#
+# At most options.max_engines engines of one configuration are alive at once
+# (each holds buffer_size * num_buffers of pre-touched, locked memory); a
+# thread that needs one more waits for another thread to release one, unless
+# it already holds one itself (a load inside a save must not deadlock).
 
 
-_pool_lock = threading.Lock()
-_pool: dict[tuple, list[Engine]] = {}
+_pool_lock = threading.Condition()
+_idle: dict[tuple, list[Engine]] = {}
+_live: dict[tuple, int] = {}
+_generation = 0
+_held = threading.local()
 _auto_kind: Optional[str] = None
 _memlock_reported = False
 
@@ -177,7 +206,7 @@ def _pool_key(kind: str, options: Options) -> tuple:
 
 def _create(kind: str, options: Options) -> Engine:
     global _memlock_reported
-    engine = Engine(kind, options)
+    engine = Engine(kind, options, _generation)
     if options.lock_memory and not engine.memory_locked and not _memlock_reported:
         _memlock_reported = True
         log.info(
@@ -191,8 +220,6 @@ def _create(kind: str, options: Options) -> Engine:
 def _resolve_auto(options: Options) -> Engine:
     """Tries the engines in order of speed; reports a refusal once."""
     global _auto_kind
-    if _auto_kind is not None:
-        return _create(_auto_kind, options)
     compiled = compiled_engines()
     failures = []
     for kind in _AUTO_ORDER:
@@ -211,31 +238,119 @@ def _resolve_auto(options: Options) -> Engine:
     raise OSError(errno.ENOSYS, "no fastpersist engine could start: " + "; ".join(failures))
 
 
-def acquire(options: Options) -> Engine:
-    """An idle engine for these options, from the pool or new."""
-    kind = options.engine if options.engine != "auto" else _auto_kind
-    if kind is not None:
-        with _pool_lock:
-            idle = _pool.get(_pool_key(kind, options))
+def _reserve(key: tuple, limit: int) -> Optional[Engine]:
+    """An idle engine for key, or None after reserving a slot for a new one."""
+    holds_one = getattr(_held, "count", 0) > 0
+    with _pool_lock:
+        while True:
+            idle = _idle.get(key)
             if idle:
                 return idle.pop()
-    if options.engine == "auto":
-        return _resolve_auto(options)
-    if options.engine not in compiled_engines():
-        raise OSError(errno.ENOSYS, f"the {options.engine} engine is not compiled into this fastpersist build")
-    return _create(options.engine, options)
+            if _live.get(key, 0) < limit or holds_one:
+                _live[key] = _live.get(key, 0) + 1
+                return None
+            _pool_lock.wait()
+
+
+def _unreserve(key: tuple) -> None:
+    with _pool_lock:
+        _live[key] -= 1
+        _pool_lock.notify()
+
+
+def acquire(options: Options) -> Engine:
+    """An idle engine for these options, from the pool or new; waits while
+    max_engines of them are in use by other threads."""
+    kind = options.engine if options.engine != "auto" else _auto_kind
+    if kind is None:  # first auto use: the engine the kernel allows, counted like any other
+        engine = _resolve_auto(options)
+        with _pool_lock:
+            key = _pool_key(engine.kind, options)
+            _live[key] = _live.get(key, 0) + 1
+    else:
+        if kind not in compiled_engines():
+            raise OSError(errno.ENOSYS, f"the {kind} engine is not compiled into this fastpersist build")
+        key = _pool_key(kind, options)
+        engine = _reserve(key, options.max_engines)
+    if engine is None:
+        try:
+            engine = _create(kind, options)
+        except BaseException:
+            _unreserve(key)
+            raise
+    _held.count = getattr(_held, "count", 0) + 1
+    return engine
 
 
 def release(engine: Engine) -> None:
+    """Returns an engine to the pool; a failed one (or one from before a fork) is dropped."""
+    _held.count = max(0, getattr(_held, "count", 0) - 1)
+    if engine.generation != _generation:
+        return  # created before a fork: not this pool's to count
+    key = _pool_key(engine.kind, engine.options)
     with _pool_lock:
-        idle = _pool.setdefault(_pool_key(engine.kind, engine.options), [])
-        if not idle:  # keep one idle engine per configuration
-            idle.append(engine)
+        if engine.usable:
+            _idle.setdefault(key, []).append(engine)
+        else:
+            _live[key] -= 1
+        _pool_lock.notify()
+
+
+def pool_size() -> int:
+    """Engines alive in this process's pool, idle or in use."""
+    with _pool_lock:
+        return sum(_live.values())
 
 
 def clear_pool() -> None:
     """Drops idle engines and forgets the auto choice (frees their buffers)."""
     global _auto_kind
     with _pool_lock:
-        _pool.clear()
+        for key, idle in _idle.items():
+            _live[key] -= len(idle)
+        _idle.clear()
         _auto_kind = None
+        _pool_lock.notify_all()
+
+
+def _forget_pool_in_child() -> None:
+    """After fork, in the child: the parent's engines are unusable here (and
+    their buffers unmapped); start an empty pool. Dropping them frees only
+    the child's copies of their bookkeeping. The lock is new: another parent
+    thread may have held the old one at the fork."""
+    global _pool_lock, _idle, _live, _generation, _held
+    _pool_lock = threading.Condition()
+    _idle, _live = {}, {}
+    _generation += 1
+    _held = threading.local()
+
+
+os.register_at_fork(after_in_child=_forget_pool_in_child)
+
+
+# ---------------------------------------------------------------------------
+# fault injection for tests (see csrc/fp_engine.h)
+
+_open_faults_seen = 0
+
+
+def injected_open_error() -> Optional[OSError]:
+    """The error the FASTPERSIST_FAULT_INJECT rule "open:N:ERRNO" assigns to
+    this process's next O_DIRECT open, or None. The engine ignores "open"
+    rules: opening files is the binding's job."""
+    global _open_faults_seen
+    spec = os.environ.get("FASTPERSIST_FAULT_INJECT")
+    if not spec:
+        return None
+    _open_faults_seen += 1
+    for rule in spec.split(","):
+        site, _, rest = rule.partition(":")
+        nth, _, result = rest.partition(":")
+        if site != "open":
+            continue
+        later = nth.endswith("+")
+        n = int(nth.rstrip("+"))
+        if _open_faults_seen == n or (later and _open_faults_seen > n):
+            code = getattr(errno, result)
+            return OSError(code, f"{os.strerror(code)} (injected by FASTPERSIST_FAULT_INJECT)")
+    return None

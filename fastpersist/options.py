@@ -8,6 +8,7 @@ import re
 
 ENGINES = ("auto", "io_uring", "libaio", "psync")
 MiB = 1 << 20
+GiB = 1 << 30  # the engine's bound on buffer and request sizes (32-bit io_uring lengths)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +26,9 @@ class Options:
     atomic: write a temporary file and rename it over the destination, so a
         failed save leaves the previous file untouched.
     lock_memory: mlock the bounce buffers.
+    max_engines: engines (each with buffer_size * num_buffers of buffers) alive
+        at once per configuration in one process; more concurrent saves and
+        loads wait for a free one.
     """
 
     engine: str = "auto"
@@ -36,16 +40,20 @@ class Options:
     fsync: bool = True
     atomic: bool = True
     lock_memory: bool = True
+    max_engines: int = 4
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"fastpersist option engine={self.engine!r}: expected one of {ENGINES}")
         for name in ("buffer_size", "request_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0 or value % 4096:
-                raise ValueError(f"fastpersist option {name}={value!r}: expected a positive multiple of 4096")
-        if not isinstance(self.num_buffers, int) or self.num_buffers < 2:
-            raise ValueError(f"fastpersist option num_buffers={self.num_buffers!r}: expected an integer >= 2")
+            if not isinstance(value, int) or value <= 0 or value % 4096 or value > GiB:
+                raise ValueError(f"fastpersist option {name}={value!r}: expected a positive multiple of 4096, "
+                                 "at most 1 GiB")
+        if not isinstance(self.num_buffers, int) or not 2 <= self.num_buffers <= 64:
+            raise ValueError(f"fastpersist option num_buffers={self.num_buffers!r}: expected 2..64")
+        if not isinstance(self.max_engines, int) or self.max_engines < 1:
+            raise ValueError(f"fastpersist option max_engines={self.max_engines!r}: expected an integer >= 1")
         if not isinstance(self.queue_depth, int) or not 1 <= self.queue_depth <= 4096:
             raise ValueError(f"fastpersist option queue_depth={self.queue_depth!r}: expected 1..4096")
         if self.request_size > self.buffer_size:

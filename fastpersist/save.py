@@ -3,16 +3,18 @@ engine, durably and atomically."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 import pickle
+import re
 import secrets
 import stat
 from typing import Optional
 
 from . import torch_format
 from .options import Options
-from .writer import FastFileWriter
+from .writer import FastFileWriter, same_file
 
 log = logging.getLogger("fastpersist")
 
@@ -76,31 +78,142 @@ def save_to_path(obj, path: str, opts: Options, pickle_module=pickle, pickle_pro
     archive = torch_format.archive_name_for(path)
     target = os.path.realpath(path)  # torch.save writes through symlinks
     folder = os.path.dirname(target)
-    write_path = target
-    if opts.atomic:
-        write_path = os.path.join(folder, f".{os.path.basename(target)}.fastpersist-{secrets.token_hex(4)}.tmp")
+    remove_stale_temporaries(folder)
+    temporary = None
     try:
-        writer = FastFileWriter(write_path, truncate=not opts.atomic, exclusive=opts.atomic, options=opts)
+        if opts.atomic:
+            temporary = _Temporary.create(folder, os.path.basename(target), opts)
+            writer = temporary.writer
+        else:
+            writer = FastFileWriter(target, truncate=True, sole_writer=True, options=opts)
     except OSError as exc:
-        raise OSError(exc.errno, f"{exc.strerror} (fastpersist: creating {write_path})", path) from exc
+        raise OSError(exc.errno, f"{exc.strerror} (fastpersist: creating a file in {folder})", path) from exc
+    write_path = temporary.path if temporary else target
     try:
         size = torch_format.save_records(obj, writer, archive, pickle_module, pickle_protocol,
                                          disable_byteorder_record)
         writer.close()  # waits for every write; fsyncs the file with opts.fsync
-        if opts.atomic:
-            _keep_mode_of(target, write_path)
-            os.replace(write_path, target)
+        if temporary:
+            _keep_mode_of(target, temporary.path)
+            os.replace(temporary.path, target)
+            temporary.renamed()
             if opts.fsync:
                 _fsync_folder(folder)
     except BaseException as exc:
         writer.abort()
-        if opts.atomic:
-            _remove_quietly(write_path)
+        if temporary:
+            temporary.discard()
         if isinstance(exc, OSError) and exc.filename == write_path != path:
             # name the file the user asked for; the temporary one is gone
             raise OSError(exc.errno, f"{exc.strerror} (fastpersist: writing {write_path})", path) from exc
         raise
+    finally:
+        if temporary:
+            temporary.unlock()
     return size
+
+
+# ---------------------------------------------------------------------------
+# temporary files
+#
+# A save writes ".<name>.fastpersist-<random>.tmp" beside the destination and
+# renames it into place. While it exists, its writer holds an exclusive
+# flock() on it, from before anything is written until after the rename. A
+# save that was killed (SIGKILL, preemption, power loss) leaves its temporary
+# unlocked, and the next save into the folder removes it; a temporary whose
+# writer is alive (in this process, another one, or on another host sharing
+# the folder over NFS, where flock becomes a POSIX lock) is left alone.
+
+TEMPORARY_NAME = re.compile(r"^\..+\.fastpersist-[0-9a-f]{8,}\.tmp$")
+_writing: set = set()  # this process's temporaries: NFS locks do not exclude the process itself
+
+
+class _Temporary:
+    def __init__(self, path: str, lock_fd: int, writer: FastFileWriter):
+        self.path, self.lock_fd, self.writer = path, lock_fd, writer
+        self.in_place = False  # renamed over the destination
+
+    @classmethod
+    def create(cls, folder: str, name: str, opts: Options) -> "_Temporary":
+        for _ in range(16):
+            path = os.path.join(folder, f".{name}.fastpersist-{secrets.token_hex(8)}.tmp")
+            _writing.add(path)
+            # O_EXCL: never an existing file, never through a symlink planted at the name
+            writer = FastFileWriter(path, exclusive=True, sole_writer=True, options=opts)
+            lock_fd = -1
+            try:
+                lock_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                # Another save's clean-up may have locked and removed the file
+                # between its creation and our lock: then the name is not ours.
+                if same_file(os.stat(path, follow_symlinks=False), os.fstat(writer.fd)):
+                    return cls(path, lock_fd, writer)
+            except (BlockingIOError, FileNotFoundError):
+                pass  # a clean-up holds it or removed it; it removes the file too
+            except BaseException:
+                writer.abort()
+                _close(lock_fd)
+                _remove_quietly(path)
+                _writing.discard(path)
+                raise
+            writer.abort()
+            _close(lock_fd)
+            _writing.discard(path)
+        raise OSError(errno.EAGAIN, "could not create a locked temporary file", folder)
+
+    def renamed(self) -> None:
+        self.in_place = True
+
+    def discard(self) -> None:
+        if not self.in_place:
+            _remove_quietly(self.path)
+
+    def unlock(self) -> None:
+        _close(self.lock_fd)
+        self.lock_fd = -1
+        _writing.discard(self.path)
+
+
+def remove_stale_temporaries(folder: str) -> list:
+    """Removes the temporaries of saves that died in this folder; returns their paths."""
+    try:
+        names = os.listdir(folder or ".")
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        if not TEMPORARY_NAME.match(name):
+            continue
+        path = os.path.join(folder, name)
+        if path in _writing:
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue  # gone already, or a symlink: not ours to follow
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its writer is alive
+            if not same_file(os.stat(path, follow_symlinks=False), st):
+                continue  # renamed into place or replaced meanwhile
+            os.unlink(path)
+            removed.append(path)
+            log.info("fastpersist: removed %s (%d bytes), left by a save that did not finish", path, st.st_size)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _close(fd: int) -> None:
+    if fd >= 0:
+        os.close(fd)
 
 
 def _keep_mode_of(target: str, new_file: str) -> None:

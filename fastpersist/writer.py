@@ -13,16 +13,31 @@ from .options import Options
 log = logging.getLogger("fastpersist")
 
 
-def open_direct(path: str, flags: int) -> int:
+def open_direct(path: str, flags: int, same_as: int = -1) -> int:
     """An O_DIRECT descriptor for path, or -1 where the filesystem refuses it
-    (tmpfs on older kernels, ramfs, some FUSE and network filesystems)."""
+    (tmpfs on older kernels, ramfs, some FUSE and network filesystems).
+
+    same_as: a descriptor already open on path. The second descriptor must
+    reach the same file: a symlink or another file planted at the name in
+    between is refused, never written through."""
     try:
-        return os.open(path, flags | os.O_DIRECT | os.O_CLOEXEC)
+        injected = _engine.injected_open_error()
+        if injected is not None:
+            raise injected
+        fd = os.open(path, flags | os.O_DIRECT | os.O_CLOEXEC)
     except OSError as exc:
         if exc.errno != errno.EINVAL:
             raise
         log.debug("fastpersist: %s refuses O_DIRECT; using buffered I/O", path)
         return -1
+    if same_as >= 0 and not same_file(os.fstat(fd), os.fstat(same_as)):
+        os.close(fd)
+        raise OSError(errno.EEXIST, "the file was replaced while fastpersist opened it", path)
+    return fd
+
+
+def same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 class FastFileWriter(io.RawIOBase):
@@ -34,17 +49,21 @@ class FastFileWriter(io.RawIOBase):
     unaligned edges of each range through the page cache. ``close()`` waits
     for every write and, with the ``fsync`` option, makes the file durable.
 
-    ``exclusive=True`` creates the file and fails if it exists;
-    ``truncate=True`` empties an existing file first. Either makes the writer
-    the file's sole writer (override with ``sole_writer``): it then extends
-    the file ahead of its writes with fallocate, which lets the filesystem
-    run O_DIRECT writes concurrently, and cuts it to size on close.
+    ``exclusive=True`` creates the file and fails if it exists (or if a
+    symlink lies at the name); ``truncate=True`` empties an existing file first.
+
+    ``sole_writer=True`` declares that no other writer touches the file while
+    this one is open: the writer then extends the file ahead of its writes
+    with fallocate (which lets the filesystem run O_DIRECT writes
+    concurrently) and, on close, cuts the file to exactly where this writer
+    ended, which would cut off bytes another writer put beyond that point.
+    Leave it False (the default) whenever writers share a file.
     """
 
     PREALLOCATE_STEP = 256 << 20
 
     def __init__(self, path, offset: int = 0, *, truncate: bool = False, exclusive: bool = False,
-                 sole_writer: Optional[bool] = None, options: Optional[Options] = None, **overrides):
+                 sole_writer: bool = False, options: Optional[Options] = None, **overrides):
         super().__init__()
         from .patching import current_options
 
@@ -60,10 +79,8 @@ class FastFileWriter(io.RawIOBase):
         self._direct_fd = -1
         try:
             if self.options.direct:
-                self._direct_fd = open_direct(self.path, os.O_WRONLY)
+                self._direct_fd = open_direct(self.path, os.O_WRONLY, same_as=self._buffered_fd)
             self._engine = _engine.acquire(self.options)
-            if sole_writer is None:
-                sole_writer = exclusive or truncate
             self._engine.begin(self._direct_fd, self._buffered_fd, offset, self.path,
                                self.PREALLOCATE_STEP if sole_writer else 0)
         except BaseException:
