@@ -67,7 +67,7 @@ static int aio_submit(struct fp_engine *e)
         int rc = (int)fp__inject(e, FP_SITE_SUBMIT, 0);
         if (rc == 0)
             rc = io_submit(s->ctx, s->num_pending, s->pending);
-        if (rc == -EAGAIN || rc == -EINTR)
+        if (rc == -EAGAIN || rc == -EBUSY || rc == -EINTR)
             return rc; /* the core reaps completions, then tries again */
         if (rc < 0) {
             /* The kernel took none of them: fail them so nobody waits. */

@@ -96,7 +96,7 @@ static const struct { const char *name; int value; } fault_errnos[] = {
     {"EPERM", EPERM}, {"ENOMEM", ENOMEM}, {"ENOSYS", ENOSYS}, {"EINVAL", EINVAL},
     {"EBUSY", EBUSY}, {"EBADF", EBADF},
 };
-static const char *const fault_sites[] = {"write", "read", "submit", "setup", "mlock"};
+static const char *const fault_sites[] = {"write", "read", "submit", "mlock", "io_uring_setup", "libaio_setup"};
 
 /* Parses one SITE:N[+]:RESULT rule of `len` bytes. */
 static int parse_fault(struct fp_engine *e, const char *rule, size_t len)
@@ -231,7 +231,10 @@ int fp_engine_create(const struct fp_config *cfg, struct fp_engine **out)
         e->free_slots[i] = qd - 1 - i;
     e->num_free = qd;
 
-    rc = cfg->kind == FP_ENGINE_PSYNC ? 0 : (int)fp__inject(e, FP_SITE_SETUP, 0);
+    if (cfg->kind == FP_ENGINE_URING)
+        rc = (int)fp__inject(e, FP_SITE_URING_SETUP, 0);
+    else if (cfg->kind == FP_ENGINE_AIO)
+        rc = (int)fp__inject(e, FP_SITE_AIO_SETUP, 0);
     if (rc == 0)
         rc = be->init(e);
     if (rc < 0) {

@@ -18,13 +18,14 @@
  *
  * Test-only fault injection: FASTPERSIST_FAULT_INJECT, read once by
  * fp_engine_create, is a comma-separated list of SITE:N:RESULT rules. The
- * N-th event at SITE (N+ : the N-th and every later one) gets RESULT, an
- * errno name (EIO, ENOSPC, EAGAIN, EINTR, EPERM, ENOMEM, ENOSYS, EINVAL, EBUSY,
- * EBADF) or "short" (a transfer that moved half its bytes). Sites: write and
- * read (request completions), submit (handing requests to the kernel), setup
- * (backend start in fp_engine_create; psync has none), mlock, and open (not
- * used by the engine: reserved for the caller that opens the files). A
- * malformed list makes fp_engine_create fail with -EINVAL.
+ * N-th event at SITE in that engine (N+ : the N-th and every later one)
+ * gets RESULT, an errno name (EIO, ENOSPC, EAGAIN, EINTR, EPERM, ENOMEM,
+ * ENOSYS, EINVAL, EBUSY, EBADF) or "short" (a transfer that moved half its
+ * bytes). Sites: write and read (request completions), submit (handing
+ * requests to the kernel), mlock, io_uring_setup and libaio_setup (the
+ * backend's start in fp_engine_create; N is 1), and open (not used by the
+ * engine: reserved for the caller that opens the files). A malformed list
+ * makes fp_engine_create fail with -EINVAL.
  */
 #ifndef FP_ENGINE_H
 #define FP_ENGINE_H

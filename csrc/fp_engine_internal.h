@@ -36,7 +36,9 @@ struct fp_backend {
 };
 
 /* Test-only fault injection (FASTPERSIST_FAULT_INJECT, see fp_engine.h). */
-enum fp_fault_site { FP_SITE_WRITE, FP_SITE_READ, FP_SITE_SUBMIT, FP_SITE_SETUP, FP_SITE_MLOCK, FP_SITES };
+enum fp_fault_site {
+    FP_SITE_WRITE, FP_SITE_READ, FP_SITE_SUBMIT, FP_SITE_MLOCK, FP_SITE_URING_SETUP, FP_SITE_AIO_SETUP, FP_SITES
+};
 #define FP_FAULT_SHORT 1 /* result: a transfer that moved half its bytes */
 #define FP_MAX_FAULTS 8
 

@@ -229,7 +229,7 @@ def _resolve_auto(options: Options) -> Engine:
         try:
             engine = _create(kind, options)
         except OSError as exc:
-            failures.append(f"{kind}: {exc.strerror}")
+            failures.append(f"{kind}: {os.strerror(exc.errno)}")
             continue
         if failures:
             log.info("fastpersist: using the %s engine (%s)", kind, "; ".join(failures))

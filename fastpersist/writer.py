@@ -1,6 +1,7 @@
 """FastFileWriter: a write-only file object over the I/O engine."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import logging
@@ -85,6 +86,9 @@ class FastFileWriter(io.RawIOBase):
                                self.PREALLOCATE_STEP if sole_writer else 0)
         except BaseException:
             self._release()
+            if exclusive:  # the file is new and ours: leave nothing behind
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path)
             raise
 
     # -- io.RawIOBase ---------------------------------------------------
