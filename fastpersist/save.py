@@ -138,8 +138,15 @@ class _Temporary:
         for _ in range(16):
             path = os.path.join(folder, f".{name}.fastpersist-{secrets.token_hex(8)}.tmp")
             _writing.add(path)
-            # O_EXCL: never an existing file, never through a symlink planted at the name
-            writer = FastFileWriter(path, exclusive=True, sole_writer=True, options=opts)
+            try:
+                # O_EXCL: never an existing file, never through a symlink planted at the name
+                writer = FastFileWriter(path, exclusive=True, sole_writer=True, options=opts)
+            except FileExistsError:
+                _writing.discard(path)
+                continue
+            except BaseException:
+                _writing.discard(path)
+                raise
             lock_fd = -1
             try:
                 lock_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)

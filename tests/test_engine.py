@@ -301,3 +301,48 @@ def test_pread_into_fresh_memory_with_prefault(engine, tmp_path):
     assert not view[:100].any() and not view[100 + n:].any()  # nothing written outside
     del view
     memory.close()
+
+
+@pytest.mark.parametrize("first_closes", ["head", "tail"])
+def test_two_writers_of_one_file_keep_each_others_bytes(engine, tmp_path, first_closes):
+    """A writer that truncates and starts the file does not own its end unless
+    it says so (sole_writer): the second writer's range survives either
+    closing order."""
+    path = tmp_path / "two.bin"
+    data = PAYLOAD[:400_000]
+    head = FastFileWriter(path, 0, truncate=True, engine=engine, **SMALL)
+    tail = FastFileWriter(path, 150_001, engine=engine, **SMALL)
+    head.write_address(data.ctypes.data, 150_001)
+    tail.write_address(data[150_001:].ctypes.data, len(data) - 150_001)
+    order = (head, tail) if first_closes == "head" else (tail, head)
+    for w in order:
+        w.close()
+    assert path.read_bytes() == data.tobytes()
+
+
+def test_sole_writer_cuts_the_file_to_its_end(engine, tmp_path):
+    path = tmp_path / "sole.bin"
+    path.write_bytes(b"\xff" * 1_000_000)
+    with FastFileWriter(path, 0, sole_writer=True, engine=engine, **SMALL) as w:
+        w.write(b"abc" * 100_001)
+    assert path.read_bytes() == b"abc" * 100_001
+
+
+@pytest.mark.parametrize("field, value", [
+    ("buffer_size", (1 << 30) + 4096), ("request_size", (1 << 30) + 4096), ("num_buffers", 65),
+    ("num_buffers", 1), ("queue_depth", 4097), ("queue_depth", 0), ("buffer_size", 0), ("request_size", 1000),
+])
+def test_engine_refuses_configurations_out_of_bounds(field, value):
+    """The C engine checks its own bounds (32-bit io_uring lengths, stack
+    arrays sized by num_buffers), whatever the Python layer allows."""
+    lib, ffi = _engine._load()
+    cfg = ffi.new("struct fp_config *", dict(kind=0, buffer_size=64 << 10, num_buffers=2, queue_depth=8,
+                                             request_size=16 << 10, lock_memory=0))
+    out = ffi.new("struct fp_engine **")
+    assert lib.fp_engine_create(cfg, out) == 0
+    lib.fp_engine_destroy(out[0])
+    setattr(cfg, field, value)
+    assert lib.fp_engine_create(cfg, out) == -errno.EINVAL
+    assert out[0] == ffi.NULL
+    with pytest.raises(ValueError, match=field):
+        Options(**{field: value})
