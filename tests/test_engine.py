@@ -22,9 +22,13 @@ def aligned_array(nbytes, shift=0):
 
 
 def test_all_engines_compiled_here():
-    # liburing-dev and libaio-dev are installed by the project's set-up.
-    assert _engine.compiled_engines() == ["psync", "libaio", "io_uring"]
+    """The project's set-up installs liburing-dev and libaio-dev: in CI every
+    engine must be compiled in; elsewhere a missing one is a skip."""
     assert "psync" in ENGINES
+    missing = sorted({"psync", "libaio", "io_uring"} - set(_engine.compiled_engines()))
+    if missing and not os.environ.get("CI"):
+        pytest.skip(f"not compiled in here: {', '.join(missing)} (install liburing-dev / libaio-dev and rebuild)")
+    assert missing == []
 
 
 @pytest.mark.parametrize("direct", [True, False])
