@@ -16,6 +16,7 @@ import secrets
 import sys
 import struct
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Optional
 
@@ -260,6 +261,15 @@ def save_records(obj, sink, archive_name: str, pickle_module, pickle_protocol: i
 
 # ---------------------------------------------------------------------------
 # reading
+#
+# fastpersist reads checkpoints without torch's reader, so the archive must be
+# accepted or refused exactly where torch.load (2.13) accepts or refuses it:
+# miniz 3.0.2 as torch builds it (mz_zip_reader_init and what extracting a
+# record checks; CRC checks compiled out) and caffe2's PyTorchStreamReader
+# (archive prefix, version record, serialization id, record lookup) plus
+# torch.load's own checks (record listing, byte order). The conditions below
+# restate theirs field by field; tests/test_archive_parity.py mutates every
+# header field of real checkpoints and compares both readers.
 
 
 class CheckpointError(RuntimeError):
@@ -272,44 +282,145 @@ class CheckpointError(RuntimeError):
 _EOCD = struct.Struct("<IHHHHIIH")
 _ZIP64_LOCATOR = struct.Struct("<IIQI")
 _ZIP64_EOCD = struct.Struct("<IQHHIIQQQQ")
-_MAX_EOCD_SEARCH = _EOCD.size + 0xFFFF  # the end record plus the longest comment
+_EOCD_SIG = b"PK\x05\x06"
+_ZIP64_LOCATOR_SIG = 0x07064B50
+_ZIP64_EOCD_SIG = 0x06064B50
+_CENTRAL_SIG = 0x02014B50
+_LOCAL_SIG = 0x04034B50
+_U64 = (1 << 64) - 1
+_MAX_LISTED_NAME = 511  # torch lists names through a 512-byte buffer (MZ_ZIP_MAX_ARCHIVE_FILENAME_SIZE)
+_ENCRYPTED_OR_PATCH = 0x0001 | 0x0020 | 0x0040  # refused when a record is read
+_MASKED_LOCAL_HEADERS = 0x2000  # refused when the archive is opened
+_DOS_DIRECTORY = 0x10
+_MIN_VERSION, _MAX_VERSION = 1, 10  # kMin/kMaxSupportedFileFormatVersion of torch 2.13
 
 
-@dataclass
+def _eocd_search_start(size: int) -> int:
+    """Lowest offset miniz searches for the end record: it reads 4096-byte
+    blocks backwards from the end, each overlapping the next by 3 bytes, and
+    gives up after the block at the file's start or the first one starting
+    0xFFFF + 22 or more bytes before the end."""
+    start = max(size - 4096, 0)
+    while start and size - start < 0xFFFF + _EOCD.size:
+        start = max(start - 4093, 0)
+    return start
+
+
+def _lower(name: bytes) -> bytes:
+    """miniz compares names with ASCII-only case folding."""
+    return name.translate(_ASCII_LOWER)
+
+
+_ASCII_LOWER = bytes(range(256)).maketrans(bytes(range(65, 91)), bytes(range(97, 123)))
+
+
+def _parse_cxx_version(text: bytes):
+    """std::stoull(text) as torch's reader calls it, then read as a signed
+    64-bit number; None where stoull throws invalid_argument, "range" where
+    it throws out_of_range."""
+    text = text.split(b"\0", 1)[0]  # a C string from here on
+    at = 0
+    while at < len(text) and text[at] in b" \t\n\v\f\r":
+        at += 1
+    negative = at < len(text) and text[at] == ord("-")
+    if at < len(text) and text[at] in b"+-":
+        at += 1
+    digits = at
+    while at < len(text) and 48 <= text[at] <= 57:
+        at += 1
+    if at == digits:
+        return None
+    value = int(text[digits:at])
+    if value > _U64:
+        return "range"
+    if negative:
+        value = -value & _U64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
 class RecordEntry:
     """One record of an archive, as its central directory describes it."""
 
-    name: str  # without the archive prefix
-    header_offset: int
-    size: int
-    crc: int
-    compressed: bool
-    data_offset: int = -1  # known once the local header is read (ArchiveIndex.resolve)
+    def __init__(self, name: str, header_offset: int, size: int, crc: int, compressed: bool, *,
+                 full_name: bytes = b"", compressed_size: Optional[int] = None, method: Optional[int] = None,
+                 flags: int = 0, directory: bool = False, stat_problem: str = ""):
+        self.name = name  # without the archive prefix
+        self.header_offset = header_offset
+        self.size = size  # the bytes torch's reader returns for it (the uncompressed size)
+        self.crc = crc
+        self.compressed = compressed
+        self.full_name = full_name or name.encode("utf-8")
+        self.compressed_size = size if compressed_size is None else compressed_size
+        self.method = (8 if compressed else 0) if method is None else method
+        self.flags = flags
+        self.directory = directory  # miniz extracts nothing from "directories"
+        self.stat_problem = stat_problem  # why miniz cannot describe it (a short zip64 field), if it cannot
+        self._data_offset = -1
+        self._problem = ""  # why its data cannot be located, once that was tried and failed
+
+    @property
+    def data_offset(self) -> int:
+        """Where its bytes start in the file (ArchiveIndex.resolve finds it);
+        -1 before that. Raises CheckpointError where resolving failed."""
+        if self._data_offset < 0 and self._problem:
+            raise CheckpointError(self._problem)
+        return self._data_offset
+
+    @data_offset.setter
+    def data_offset(self, value: int) -> None:
+        self._data_offset = value
+
+    def __repr__(self) -> str:
+        return (f"RecordEntry({self.name!r}, header_offset={self.header_offset}, size={self.size}, "
+                f"crc={self.crc:#010x}, method={self.method}, data_offset={self._data_offset})")
+
+
+class _CentralEntry:
+    """The fields of one central directory header that torch's reader uses."""
+
+    __slots__ = ("index", "position", "name", "flags", "method_and_time", "crc", "external_attr",
+                 "header_offset", "size", "compressed_size", "stat_problem")
 
 
 class ArchiveIndex:
     """The records of a torch zip checkpoint and where their bytes are.
 
-    Every offset and size read from the file is checked against the file's
-    size before it is used, so a truncated or lying file raises
-    CheckpointError instead of reading out of bounds or allocating what the
-    file does not hold.
+    ``read`` accepts exactly the archives torch.load opens and refuses the
+    others with CheckpointError; every offset and size read from the file is
+    checked against the file's size before it is used, so a truncated or
+    lying file never makes fastpersist read out of bounds or allocate what
+    the file does not hold.
+
+    ``records`` answers lookups the way torch's reader does (ASCII case
+    folded, the first match of miniz's sorted binary search) and iterates
+    over the names torch lists.
     """
 
-    def __init__(self, path: str, file_size: int, prefix: str, records: dict):
+    def __init__(self, path: str, file_size: int):
         self.path = path
         self.file_size = file_size
-        self.prefix = prefix  # "archive/"
-        self.records: dict[str, RecordEntry] = records
+        self.prefix = ""  # "archive/"
+        self._prefix_bytes = b""
+        self._entries: list[_CentralEntry] = []
+        self._sorted: list[int] = []  # entry indices in miniz's search order
+        self._sorted_keys: list[bytes] = []
+        self._records: dict[int, RecordEntry] = {}
+        self.listed: list[str] = []  # what torch's get_all_records returns
+        self.records = _Records(self)
 
     def _error(self, message: str) -> CheckpointError:
         return CheckpointError(f"{self.path}: {message}")
 
     @classmethod
     def read(cls, read_at, file_size: int, path: str) -> "ArchiveIndex":
-        """Parses the end records and the central directory; read_at(offset, n) -> bytes."""
-        index = cls(path, file_size, "", {})
+        """Opens the archive the way torch.load does: end records, central
+        directory, record names, and (for the archives fastpersist reads
+        itself) the version, serialization id and byte order records.
+        read_at(offset, n) -> bytes."""
+        index = cls(path, file_size)
         index._parse(read_at)
+        if not (index.is_torchscript or index.has_compressed_records):  # else torch.load reads it
+            index._check_opening_records(read_at)
         return index
 
     def _read_exact(self, read_at, offset: int, n: int, what: str) -> bytes:
@@ -322,132 +433,389 @@ class ArchiveIndex:
                               "(did it shrink while being read?)")
         return data
 
+    # -- opening: miniz's mz_zip_reader_init ---------------------------------
     def _parse(self, read_at) -> None:
         size = self.file_size
         if size < _EOCD.size:
             raise self._error(f"{size} bytes is too short for a torch checkpoint")
-        tail_start = max(0, size - _MAX_EOCD_SEARCH)
-        tail = self._read_exact(read_at, tail_start, size - tail_start, "end of archive")
-        at = tail.rfind(b"PK\x05\x06")
-        while at >= 0 and at + _EOCD.size > len(tail):
-            at = tail.rfind(b"PK\x05\x06", 0, at)
+        start = _eocd_search_start(size)
+        tail = self._read_exact(read_at, start, size - start, "end of archive")
+        at = tail.rfind(_EOCD_SIG, 0, size - _EOCD.size - start + 4)
         if at < 0:
             raise self._error("no zip end-of-archive record; the file is truncated or not a torch checkpoint")
-        eocd_offset = tail_start + at
-        (_, _, _, _, count, cd_size, cd_offset, _) = _EOCD.unpack_from(tail, at)
+        eocd_offset = start + at
+        (_, disk, cd_disk, entries_on_disk, count, cd_size, cd_offset, _) = _EOCD.unpack_from(tail, at)
+
+        zip64 = None
         locator_offset = eocd_offset - _ZIP64_LOCATOR.size
-        if locator_offset >= 0 and read_at(locator_offset, 4) == b"PK\x06\x07":
-            _, _, end64_offset, _ = _ZIP64_LOCATOR.unpack(
+        if eocd_offset >= _ZIP64_LOCATOR.size + _ZIP64_EOCD.size:
+            locator = _ZIP64_LOCATOR.unpack(
                 self._read_exact(read_at, locator_offset, _ZIP64_LOCATOR.size, "zip64 locator"))
-            if end64_offset + _ZIP64_EOCD.size > locator_offset:
-                raise self._error(f"the zip64 end record's offset {end64_offset} is past the end records")
-            fields = _ZIP64_EOCD.unpack(self._read_exact(read_at, end64_offset, _ZIP64_EOCD.size, "zip64 end record"))
-            if fields[0] != 0x06064B50:
-                raise self._error(f"no zip64 end record at offset {end64_offset}")
-            count, cd_size, cd_offset = fields[7], fields[8], fields[9]
-            cd_end_limit = end64_offset
+            if locator[0] == _ZIP64_LOCATOR_SIG:
+                end64_offset = locator[2]
+                if end64_offset > size - _ZIP64_EOCD.size:
+                    raise self._error(f"the zip64 locator at offset {locator_offset} points at offset "
+                                      f"{end64_offset}, past the end of the file; it is corrupt")
+                end64 = _ZIP64_EOCD.unpack(
+                    self._read_exact(read_at, end64_offset, _ZIP64_EOCD.size, "zip64 end record"))
+                if end64[0] == _ZIP64_EOCD_SIG:  # otherwise the classic end record alone counts
+                    zip64 = (locator, end64, end64_offset)
+        if zip64 is not None:
+            locator, end64, end64_offset = zip64
+            (_, record_size, _, _, disk, cd_disk, entries_on_disk, count, cd_size, cd_offset) = end64
+            where = f"the zip64 end record at offset {end64_offset}"
+            if record_size < _ZIP64_EOCD.size - 12:
+                raise self._error(f"{where} claims to be {record_size} bytes long, less than its fields")
+            if locator[3] != 1:
+                raise self._error(f"the zip64 locator at offset {locator_offset} says the archive spans "
+                                  f"{locator[3]} disks; torch reads single-disk archives only")
+            if count > _U32_LIMIT or entries_on_disk > _U32_LIMIT:
+                raise self._error(f"{where} claims {max(count, entries_on_disk)} records, more than torch's "
+                                  "reader supports; it is corrupt")
+            if cd_size > _U32_LIMIT:
+                raise self._error(f"{where} claims a central directory of {cd_size} bytes, more than torch's "
+                                  "reader supports; it is corrupt")
         else:
-            cd_end_limit = eocd_offset
-        if cd_offset + cd_size > cd_end_limit:
-            raise self._error(f"the central directory claims bytes {cd_offset}..{cd_offset + cd_size}, "
-                              f"past the end records at {cd_end_limit}; the file is truncated or corrupt")
-        if count * _CENTRAL_HEADER.size > cd_size:
-            raise self._error(f"the central directory claims {count} records in {cd_size} bytes")
+            where = f"the end record at offset {eocd_offset}"
+        if count != entries_on_disk:
+            raise self._error(f"{where} counts {count} records in all but {entries_on_disk} on this disk; "
+                              "torch reads single-disk archives only")
+        if (disk | cd_disk) and (disk != 1 or cd_disk != 1):
+            raise self._error(f"{where} names disk {disk} and central directory disk {cd_disk}; "
+                              "torch reads single-disk archives only")
+        if cd_size < count * _CENTRAL_HEADER.size:
+            raise self._error(f"{where} claims {count} records in a central directory of {cd_size} bytes")
+        if cd_offset + cd_size > size:
+            raise self._error(f"the central directory claims bytes {cd_offset}..{cd_offset + cd_size}, past the "
+                              f"end of the file ({size} bytes); it is truncated or corrupt")
+        if not count:
+            raise self._error("the archive does not contain any records")
         cd = self._read_exact(read_at, cd_offset, cd_size, "central directory")
-        self._parse_central_directory(cd, count, cd_offset)
+        self._parse_central_directory(cd, count, cd_offset, disk)
+        self._sort()
+        self._list_records()
 
-    def _parse_central_directory(self, cd: bytes, count: int, cd_offset: int) -> None:
+    def _parse_central_directory(self, cd: bytes, count: int, cd_offset: int, this_disk: int) -> None:
         pos = 0
-        entries = []
         for i in range(count):
-            if pos + _CENTRAL_HEADER.size > len(cd):
+            where = f"central directory record {i} (offset {cd_offset + pos})"
+            left = len(cd) - pos
+            if left < _CENTRAL_HEADER.size:
                 raise self._error(f"the central directory ends after {i} of {count} records")
-            (sig, _, _, _, method, _, _, crc, csize, usize, name_len, extra_len, comment_len,
-             _, _, _, header_offset) = _CENTRAL_HEADER.unpack_from(cd, pos)
-            if sig != 0x02014B50:
-                raise self._error(f"central directory record {i} at offset {cd_offset + pos} is corrupt")
-            pos += _CENTRAL_HEADER.size
-            if pos + name_len + extra_len + comment_len > len(cd):
-                raise self._error(f"central directory record {i} runs past the directory")
-            name = cd[pos:pos + name_len].decode("utf-8", "replace")
-            extra = cd[pos + name_len:pos + name_len + extra_len]
-            pos += name_len + extra_len + comment_len
-            usize, csize, header_offset = self._zip64_fields(name, extra, usize, csize, header_offset)
-            if method == 0 and csize != usize:
-                raise self._error(f"record '{name}' is stored with {csize} bytes but claims {usize}")
-            if header_offset + _LOCAL_HEADER.size + csize > cd_offset:
-                raise self._error(f"record '{name}' claims {csize} bytes at offset {header_offset}, past the "
-                                  f"start of the central directory at {cd_offset}; the file is truncated or corrupt")
-            entries.append((name, header_offset, csize if method else usize, crc, method != 0))
-        if not entries:
-            raise self._error("the archive has no records")
-        first = entries[0][0]
-        slash = first.find("/")
-        if slash < 0:
-            raise self._error(f"record '{first}' is not inside an archive folder, as torch's are")
-        self.prefix = first[:slash + 1]
-        for name, header_offset, size, crc, compressed in entries:
-            if name.startswith(self.prefix):
-                short = name[len(self.prefix):]
-                self.records[short] = RecordEntry(short, header_offset, size, crc, compressed)
+            (sig, _, _, flags, method, time, _, crc, csize, usize, name_len, extra_len, comment_len,
+             disk, _, external_attr, header_offset) = _CENTRAL_HEADER.unpack_from(cd, pos)
+            if sig != _CENTRAL_SIG:
+                raise self._error(f"{where} is corrupt (no central directory signature)")
+            name = cd[pos + 46:pos + 46 + name_len]
+            if extra_len and max(csize, usize, header_offset) == _U32_LIMIT:
+                if 46 + name_len + extra_len > left:
+                    raise self._error(f"{where} runs past the end of the central directory")
+                extra = cd[pos + 46 + name_len:pos + 46 + name_len + extra_len]
+                values = self._zip64_values(extra, where)
+                # torch's reader takes these from all the extra bytes after the
+                # zip64 field's header, whatever the field's own length says
+                if values is not None:
+                    if usize == _U32_LIMIT and len(values) >= 8:
+                        usize, values = int.from_bytes(values[:8], "little"), values[8:]
+                    if csize == _U32_LIMIT and len(values) >= 8:
+                        csize, values = int.from_bytes(values[:8], "little"), values[8:]
+                    if header_offset == _U32_LIMIT and len(values) >= 8:
+                        header_offset = int.from_bytes(values[:8], "little")
+            if csize != _U32_LIMIT and usize != _U32_LIMIT:
+                # miniz tests method and modification time as one 32-bit word here
+                if (method == 0 and time == 0 and usize != csize) or (usize and not csize):
+                    raise self._error(f"{where} ('{name.decode('utf-8', 'replace')}') claims {usize} bytes "
+                                      f"stored in {csize}; it is corrupt")
+            if disk == 0xFFFF or (disk != this_disk and disk != 1):
+                raise self._error(f"{where} starts on disk {disk}; torch reads single-disk archives only")
+            if csize != _U32_LIMIT and (header_offset + 30 + csize) & _U64 > self.file_size:
+                raise self._error(f"record '{name.decode('utf-8', 'replace')}' claims {csize} bytes at offset "
+                                  f"{header_offset}, past the end of the file ({self.file_size} bytes); "
+                                  "it is truncated or corrupt")
+            if flags & _MASKED_LOCAL_HEADERS:
+                raise self._error(f"{where} has masked local headers (flags {flags:#06x}), which torch "
+                                  "does not support")
+            total = _CENTRAL_HEADER.size + name_len + extra_len + comment_len
+            if total > left:
+                raise self._error(f"{where} runs past the end of the central directory")
+            e = _CentralEntry()
+            e.index, e.position, e.name, e.flags, e.crc = i, cd_offset + pos, name, flags, crc
+            e.method_and_time = (method, time)
+            e.external_attr = external_attr
+            self._describe(e, cd[pos:pos + total], where)
+            self._entries.append(e)
+            pos += total
 
-    def _zip64_fields(self, name: str, extra: bytes, usize: int, csize: int, header_offset: int):
+    def _zip64_values(self, extra: bytes, where: str) -> Optional[bytes]:
+        """The bytes after the zip64 field's header (and after it, to the end of
+        the extra data), or None without one; refuses malformed extra fields."""
         pos = 0
-        while pos + 4 <= len(extra):
+        while pos < len(extra):
+            if len(extra) - pos < 4:
+                raise self._error(f"{where} has a truncated extra field")
             tag, length = struct.unpack_from("<HH", extra, pos)
-            body = extra[pos + 4:pos + 4 + length]
+            if length + 4 > len(extra) - pos:
+                raise self._error(f"{where} has an extra field of {length} bytes running past its extra data")
+            if tag == 1:
+                return extra[pos + 4:]
             pos += 4 + length
-            if tag != 1:
-                continue
-            values = [v for (v,) in struct.iter_unpack("<Q", body[: len(body) // 8 * 8])]
+        return None
+
+    def _describe(self, e: _CentralEntry, header: bytes, where: str) -> None:
+        """What miniz's file stat says about a record (used when it is read):
+        sizes and offset with zip64 values taken from within the zip64 field."""
+        (_, _, _, _, _, _, _, _, csize, usize, name_len, extra_len, _, _, _, _,
+         header_offset) = _CENTRAL_HEADER.unpack_from(header)
+        e.stat_problem = ""
+        if max(csize, usize, header_offset) == _U32_LIMIT and extra_len:
+            extra = header[46 + name_len:46 + name_len + extra_len]
+            pos = 0
+            while pos < len(extra):  # well formed: _zip64_values checked the same walk
+                tag, length = struct.unpack_from("<HH", extra, pos)
+                if tag == 1:
+                    field = extra[pos + 4:pos + 4 + length]
+                    wanted = [usize == _U32_LIMIT, csize == _U32_LIMIT, header_offset == _U32_LIMIT]
+                    if len(field) < 8 * sum(wanted):
+                        e.stat_problem = (f"{where}: its zip64 extra field holds {len(field)} bytes, too few for "
+                                          f"the {sum(wanted)} 64-bit values it must carry")
+                        break
+                    values = iter(struct.iter_unpack("<Q", field[:8 * sum(wanted)]))
+                    if wanted[0]:
+                        usize = next(values)[0]
+                    if wanted[1]:
+                        csize = next(values)[0]
+                    if wanted[2]:
+                        header_offset = next(values)[0]
+                    break
+                pos += 4 + length
+        e.size, e.compressed_size, e.header_offset = usize, csize, header_offset
+
+    def _sort(self) -> None:
+        """The order miniz's binary search walks: its in-place heap sort of
+        the case-folded names (which fixes which of two equal names is found)."""
+        keys = [_lower(e.name) for e in self._entries]
+
+        def less(a: int, b: int) -> bool:
+            return keys[a] < keys[b]  # bytewise, a proper prefix first: miniz's order
+
+        order = list(range(len(self._entries)))
+
+        def sift(root: int, end: int) -> None:
+            while True:
+                child = 2 * root + 1
+                if child >= end:
+                    return
+                if child + 1 < end and less(order[child], order[child + 1]):
+                    child += 1
+                if not less(order[root], order[child]):
+                    return
+                order[root], order[child] = order[child], order[root]
+                root = child
+
+        n = len(order)
+        if n > 1:
+            for start in range((n - 2) // 2, -1, -1):
+                sift(start, n)
+            for end in range(n - 1, 0, -1):
+                order[0], order[end] = order[end], order[0]
+                sift(0, end)
+        self._sorted = order
+        self._sorted_keys = keys
+
+    def _find(self, full_name: bytes) -> Optional[int]:
+        """miniz's binary search for a name (a C string: it ends at a NUL)."""
+        key = _lower(full_name.split(b"\0", 1)[0])
+        lo, hi = 0, len(self._sorted) - 1
+        while lo <= hi:
+            mid = lo + (hi - lo) // 2
+            candidate = self._sorted_keys[self._sorted[mid]]
+            if candidate == key:
+                return self._sorted[mid]
+            if candidate < key:
+                lo = mid + 1
+            else:
+                hi = mid - 1
+        return None
+
+    def _list_records(self) -> None:
+        """PyTorchStreamReader's archive prefix (from the first record) and
+        torch.load's listing of every record, which refuses names outside it."""
+        first = self._entries[0].name
+        slash = first.find(b"/")
+        if slash < 0:
+            raise self._error(f"record '{first.decode('utf-8', 'replace')}' is not inside an archive folder, "
+                              "as torch's are")
+        self._prefix_bytes = first[:slash + 1]
+        self.prefix = self._prefix_bytes.decode("utf-8", "replace")
+        prefix, n = self._prefix_bytes.split(b"\0", 1)[0], len(self._prefix_bytes)
+        for e in self._entries:
+            listed = e.name[:_MAX_LISTED_NAME].split(b"\0", 1)[0]  # a C string of at most 511 bytes
+            if listed[:n] != prefix[:n]:  # strncmp over the prefix's length
+                raise self._error(f"record '{e.name.decode('utf-8', 'replace')}' is not inside the archive folder "
+                                  f"'{self.prefix}' of the first record")
             try:
-                if usize == _U32_LIMIT:
-                    usize = values.pop(0)
-                if csize == _U32_LIMIT:
-                    csize = values.pop(0)
-                if header_offset == _U32_LIMIT:
-                    header_offset = values.pop(0)
-            except IndexError:
-                raise self._error(f"record '{name}' has a short zip64 extra field") from None
-        return usize, csize, header_offset
+                short = listed[n:].decode("utf-8")
+            except UnicodeDecodeError:
+                raise self._error(f"record name {e.name!r} is not UTF-8; torch.load cannot list it") from None
+            if not short.endswith(".debug_pkl"):
+                self.listed.append(short)
+
+    def _record(self, i: int) -> RecordEntry:
+        r = self._records.get(i)
+        if r is None:
+            e = self._entries[i]
+            short = e.name[len(self._prefix_bytes):].decode("utf-8", "replace")
+            method = e.method_and_time[0]
+            r = RecordEntry(short, e.header_offset, e.size, e.crc, method != 0, full_name=e.name,
+                            compressed_size=e.compressed_size, method=method, flags=e.flags,
+                            directory=e.name.endswith(b"/") or bool(e.external_attr & _DOS_DIRECTORY),
+                            stat_problem=e.stat_problem)
+            self._records[i] = r
+        return r
+
+    def lookup(self, name: str) -> Optional[RecordEntry]:
+        """The record torch's reader finds for name (prefix added), or None."""
+        i = self._find(self._prefix_bytes + name.encode("utf-8", "surrogatepass"))
+        return None if i is None else self._record(i)
+
+    # -- what PyTorchStreamReader and torch.load read on opening -------------
+    def _check_opening_records(self, read_at) -> None:
+        sid = self.lookup(".data/serialization_id")
+        if sid is not None:
+            text = self.read_record(read_at, sid)
+            try:
+                text.decode("utf-8")
+            except UnicodeDecodeError:
+                raise self._error("the .data/serialization_id record is not UTF-8 text; "
+                                  "torch.load refuses the file") from None
+        version = self.lookup(".data/version") or self.lookup("version")
+        if version is None:
+            raise self._error("the archive has no version record; it is not a torch checkpoint")
+        text = self.read_record(read_at, version)
+        value = _parse_cxx_version(text)
+        if value is None or value == "range":
+            raise self._error(f"the version record holds {text[:40]!r}, which is not a version number")
+        if not _MIN_VERSION <= value <= _MAX_VERSION:
+            raise self._error(f"the file's format version is {value}; torch 2.13 reads versions "
+                              f"{_MIN_VERSION} to {_MAX_VERSION}")
+        order = self.lookup("byteorder")
+        if order is not None:
+            value = self.read_record(read_at, order)
+            if value not in (b"little", b"big"):  # torch.load's own check (ValueError there)
+                raise self._error(f"the byteorder record holds {value[:40]!r}, neither 'little' nor 'big'")
+
+    # -- reading a record: what miniz checks before it extracts one ----------
+    def _locate(self, read_at, r: RecordEntry) -> int:
+        """The offset of r's bytes, after the checks torch's reader makes
+        when it extracts r; raises CheckpointError where it refuses."""
+        what = f"record '{r.name}'"
+        if r.stat_problem:
+            raise self._error(r.stat_problem)
+        if r.directory or not r.compressed_size:
+            # miniz extracts nothing and torch hands out uninitialised memory
+            if r.size:
+                why = "is marked as a directory" if r.directory else "claims 0 stored bytes"
+                raise self._error(f"{what} {why} but holds {r.size} bytes; torch.load would read none of "
+                                  "them (it returns uninitialised memory), so the file is corrupt")
+            return self._lenient_data_offset(read_at, r)
+        if r.flags & _ENCRYPTED_OR_PATCH:
+            raise self._error(f"{what} is encrypted or a patch (flags {r.flags:#06x}); torch cannot read it")
+        if r.method not in (0, 8):
+            raise self._error(f"{what} uses compression method {r.method}, which torch cannot read")
+        header = self._read_exact(read_at, r.header_offset, _LOCAL_HEADER.size, f"local header of '{r.name}'")
+        fields = _LOCAL_HEADER.unpack(header)
+        if fields[0] != _LOCAL_SIG:
+            raise self._error(f"{what}: no local header at offset {r.header_offset}; the file is corrupt")
+        data_offset = r.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
+        end = max((data_offset + r.compressed_size) & _U64, data_offset + r.size)
+        if end > self.file_size:
+            raise self._error(f"{what} claims {max(r.size, r.compressed_size)} bytes at offset {data_offset}, "
+                              f"but the file ends at {self.file_size}; it is truncated or corrupt")
+        return data_offset
+
+    def _lenient_data_offset(self, read_at, r: RecordEntry) -> int:
+        """Where an empty record's (unread) bytes would start."""
+        if 0 <= r.header_offset and r.header_offset + _LOCAL_HEADER.size <= self.file_size:
+            header = read_at(r.header_offset, _LOCAL_HEADER.size)
+            if len(header) == _LOCAL_HEADER.size:
+                fields = _LOCAL_HEADER.unpack(header)
+                return min(r.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10], self.file_size)
+        return min(max(r.header_offset, 0), self.file_size)
+
+    def read_record(self, read_at, r: RecordEntry) -> bytes:
+        self.resolve(read_at, [r])
+        if not r.size:
+            return b""
+        return self._read_exact(read_at, r.data_offset, r.size, f"record '{r.name}'")
 
     def resolve(self, read_at, names=None) -> None:
-        """Finds where the data of each record (or of `names`) starts, from its local header."""
-        for name in (self.records if names is None else names):
-            r = self.records[name]
-            if r.data_offset >= 0:
+        """Finds where the data of `names` (records or names; all records when
+        None) starts, from local headers, with the checks torch's reader
+        makes before reading a record; those refuse with CheckpointError.
+        With names=None nothing is refused: a record torch would refuse
+        to read raises only when its data_offset is used."""
+        strict = names is not None
+        for item in (self.records.values() if names is None else names):
+            r = item if isinstance(item, RecordEntry) else self.entry(item)
+            if r._data_offset >= 0:
                 continue
-            header = self._read_exact(read_at, r.header_offset, _LOCAL_HEADER.size, f"local header of '{name}'")
-            fields = _LOCAL_HEADER.unpack(header)
-            if fields[0] != 0x04034B50:
-                raise self._error(f"record '{name}': no local header at offset {r.header_offset}")
-            data_offset = r.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
-            if data_offset + r.size > self.file_size:
-                raise self._error(f"record '{name}' claims {r.size} bytes at offset {data_offset}, "
-                                  f"but the file ends at {self.file_size}; it is truncated or corrupt")
-            r.data_offset = data_offset
+            try:
+                r.data_offset = self._locate(read_at, r)
+            except CheckpointError as exc:
+                r._problem = str(exc)
+                if strict:
+                    raise
 
     def entry(self, name: str) -> RecordEntry:
-        try:
-            return self.records[name]
-        except KeyError:
-            raise self._error(f"record '{name}' not found in the archive") from None
+        r = self.lookup(name)
+        if r is None:
+            raise self._error(f"record '{name}' not found in the archive")
+        return r
 
     def by_data_offset(self) -> dict:
-        return {r.data_offset: r for r in self.records.values() if r.data_offset >= 0}
+        """Records with bytes, by where those start (once resolved)."""
+        return {r._data_offset: r for r in self.records.values() if r._data_offset >= 0 and r.size}
 
     @property
     def is_torchscript(self) -> bool:
-        return "constants.pkl" in self.records
+        return "constants.pkl" in self.listed  # torch.load's test, on its listing
 
     @property
     def has_compressed_records(self) -> bool:
-        return any(r.compressed for r in self.records.values())
+        return any(e.method_and_time[0] != 0 for e in self._entries)
 
     @property
     def has_checksums(self) -> bool:
         """False when torch saved it with compute_crc32=False (every CRC is 0)."""
         return any(r.crc for r in self.records.values() if r.size)
+
+
+class _Records(Mapping):
+    """The records of an ArchiveIndex by name: lookups as torch's reader
+    makes them, iteration over the names torch lists that it can find."""
+
+    def __init__(self, index: ArchiveIndex):
+        self._index = index
+
+    def __getitem__(self, name: str) -> RecordEntry:
+        r = self._index.lookup(name) if isinstance(name, str) else None
+        if r is None:
+            raise KeyError(name)
+        return r
+
+    def __contains__(self, name) -> bool:
+        return isinstance(name, str) and self._index.lookup(name) is not None
+
+    def __iter__(self):
+        seen = set()
+        for name in self._index.listed:
+            r = self._index.lookup(name)
+            if r is not None and id(r) not in seen:
+                seen.add(id(r))
+                yield name
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 class TorchArchiveReader:
@@ -461,19 +829,17 @@ class TorchArchiveReader:
         self._storage = storage  # the whole file as one UntypedStorage, when it has been read
 
     def has_record(self, name: str) -> bool:
-        return name in self.index.records
+        return self.index.lookup(name) is not None
 
     def get_all_records(self) -> list:
-        return list(self.index.records)
+        return list(self.index.listed)
 
     def get_record(self, name: str) -> bytes:
-        r = self.index.entry(name)
-        self.index.resolve(self._read_at, [name])
-        return self._read_at(r.data_offset, r.size)
+        return self.index.read_record(self._read_at, self.index.entry(name))
 
     def get_record_offset(self, name: str) -> int:
         r = self.index.entry(name)
-        self.index.resolve(self._read_at, [name])
+        self.index.resolve(self._read_at, [r])
         return r.data_offset
 
     def get_record_header_offset(self, name: str) -> int:
@@ -483,9 +849,10 @@ class TorchArchiveReader:
         return self.get_record_offset(name)  # the index knows; no need to compute it
 
     def serialization_id(self) -> str:
-        if not self.has_record(".data/serialization_id"):
+        r = self.index.lookup(".data/serialization_id")
+        if r is None:
             return ""
-        return self.get_record(".data/serialization_id").decode("ascii", "replace")
+        return self.index.read_record(self._read_at, r).decode("utf-8")  # checked on opening
 
     def get_storage_from_record(self, name: str, nbytes: int, storage_type):
         """A uint8 tensor over the record: a slice of the whole-file storage, no copy."""
@@ -494,6 +861,8 @@ class TorchArchiveReader:
         if self._storage is None:
             raise RuntimeError("this reader has no file image to take storages from (a layout-only load)")
         r = self.index.entry(name)
+        if r.stat_problem:
+            raise self.index._error(r.stat_problem)
         if nbytes != r.size:  # torch.load's check too
             raise self.index._error(f"record '{name}' holds {r.size} bytes, but the pickle says {nbytes}; "
                                     "the file is corrupt")
