@@ -16,5 +16,12 @@ __version__ = "0.1.0"
 __all__ = ["CheckpointError", "FastFileWriter", "IncompatibleKeys", "Options", "is_patched", "load", "load_into",
            "patch", "save", "unpatch", "__version__"]
 
-if os.environ.get("FASTPERSIST_AUTOPATCH", "1").strip().lower() not in ("0", "false", "no", "off"):
+
+
+def autopatch_enabled(environ=os.environ) -> bool:
+    """Whether ``import fastpersist`` patches torch (FASTPERSIST_AUTOPATCH, on by default)."""
+    return environ.get("FASTPERSIST_AUTOPATCH", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+if autopatch_enabled():
     patch()

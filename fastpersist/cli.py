@@ -236,7 +236,9 @@ def gather_info(folder: str) -> dict:
         "memory_lock_error": engines["lock_error"],
         "rlimit_memlock": {"soft": _limit_text(soft), "hard": _limit_text(hard)},
         "default_options": defaults,
-        "torch_save_patched": fastpersist.is_patched(),
+        # what `import fastpersist` does in a program run with this environment
+        # (this command's own patching says nothing about another process)
+        "autopatch_on_import": fastpersist.autopatch_enabled(),
         "source_patch_applied": hasattr(torch.serialization, "_fastpersist_vanilla_save"),
         "folder": folder,
         "o_direct": probe_o_direct(folder),
@@ -289,7 +291,8 @@ def format_info(info: dict) -> list[str]:
     limit = info["rlimit_memlock"]
     rows.append(("RLIMIT_MEMLOCK", f"soft {limit['soft']}, hard {limit['hard']}"))
     rows.append(("default options", _format_options(info["default_options"])))
-    rows.append(("torch.save patched", _yes_no(info["torch_save_patched"])))
+    rows.append(("import patches torch", _yes_no(info["autopatch_on_import"])
+                 + ("" if info["autopatch_on_import"] else " (FASTPERSIST_AUTOPATCH)")))
     rows.append(("source patch applied", _yes_no(info["source_patch_applied"])))
     rows.append(("folder", info["folder"]))
     rows.append(("O_DIRECT", info["o_direct"]))
