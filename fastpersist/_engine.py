@@ -16,6 +16,7 @@ import errno
 import logging
 import os
 import threading
+import weakref
 from typing import Optional
 
 from .options import Options
@@ -192,7 +193,8 @@ class Engine:
 
 _pool_lock = threading.Condition()
 _idle: dict[tuple, list[Engine]] = {}
-_live: dict[tuple, int] = {}
+_in_use: dict[tuple, "weakref.WeakSet[Engine]"] = {}  # an engine dropped without release() stops counting
+_creating: dict[tuple, int] = {}
 _generation = 0
 _held = threading.local()
 _auto_kind: Optional[str] = None
@@ -238,24 +240,14 @@ def _resolve_auto(options: Options) -> Engine:
     raise OSError(errno.ENOSYS, "no fastpersist engine could start: " + "; ".join(failures))
 
 
-def _reserve(key: tuple, limit: int) -> Optional[Engine]:
-    """An idle engine for key, or None after reserving a slot for a new one."""
-    holds_one = getattr(_held, "count", 0) > 0
-    with _pool_lock:
-        while True:
-            idle = _idle.get(key)
-            if idle:
-                return idle.pop()
-            if _live.get(key, 0) < limit or holds_one:
-                _live[key] = _live.get(key, 0) + 1
-                return None
-            _pool_lock.wait()
+def _alive(key: tuple) -> int:
+    return len(_idle.get(key, ())) + len(_in_use.get(key, ())) + _creating.get(key, 0)
 
 
-def _unreserve(key: tuple) -> None:
-    with _pool_lock:
-        _live[key] -= 1
-        _pool_lock.notify()
+def _check_out(key: tuple, engine: Engine) -> Engine:
+    _in_use.setdefault(key, weakref.WeakSet()).add(engine)
+    _held.count = getattr(_held, "count", 0) + 1
+    return engine
 
 
 def acquire(options: Options) -> Engine:
@@ -265,49 +257,55 @@ def acquire(options: Options) -> Engine:
     if kind is None:  # first auto use: the engine the kernel allows, counted like any other
         engine = _resolve_auto(options)
         with _pool_lock:
-            key = _pool_key(engine.kind, options)
-            _live[key] = _live.get(key, 0) + 1
-    else:
-        if kind not in compiled_engines():
-            raise OSError(errno.ENOSYS, f"the {kind} engine is not compiled into this fastpersist build")
-        key = _pool_key(kind, options)
-        engine = _reserve(key, options.max_engines)
-    if engine is None:
-        try:
-            engine = _create(kind, options)
-        except BaseException:
-            _unreserve(key)
-            raise
-    _held.count = getattr(_held, "count", 0) + 1
-    return engine
+            return _check_out(_pool_key(engine.kind, options), engine)
+    if kind not in compiled_engines():
+        raise OSError(errno.ENOSYS, f"the {kind} engine is not compiled into this fastpersist build")
+    key = _pool_key(kind, options)
+    holds_one = getattr(_held, "count", 0) > 0
+    with _pool_lock:
+        while True:
+            idle = _idle.get(key)
+            if idle:
+                return _check_out(key, idle.pop())
+            if _alive(key) < options.max_engines or holds_one:
+                _creating[key] = _creating.get(key, 0) + 1
+                break
+            # released engines notify; one dropped without release() only
+            # leaves the WeakSet, so look again now and then
+            _pool_lock.wait(timeout=0.5)
+    try:
+        engine = _create(kind, options)
+    finally:
+        with _pool_lock:
+            _creating[key] -= 1
+            _pool_lock.notify()
+    with _pool_lock:
+        return _check_out(key, engine)
 
 
 def release(engine: Engine) -> None:
     """Returns an engine to the pool; a failed one (or one from before a fork) is dropped."""
     _held.count = max(0, getattr(_held, "count", 0) - 1)
     if engine.generation != _generation:
-        return  # created before a fork: not this pool's to count
+        return  # created before a fork: unusable here
     key = _pool_key(engine.kind, engine.options)
     with _pool_lock:
+        _in_use.get(key, set()).discard(engine)
         if engine.usable:
             _idle.setdefault(key, []).append(engine)
-        else:
-            _live[key] -= 1
         _pool_lock.notify()
 
 
 def pool_size() -> int:
     """Engines alive in this process's pool, idle or in use."""
     with _pool_lock:
-        return sum(_live.values())
+        return sum(_alive(key) for key in set(_idle) | set(_in_use) | set(_creating))
 
 
 def clear_pool() -> None:
     """Drops idle engines and forgets the auto choice (frees their buffers)."""
     global _auto_kind
     with _pool_lock:
-        for key, idle in _idle.items():
-            _live[key] -= len(idle)
         _idle.clear()
         _auto_kind = None
         _pool_lock.notify_all()
@@ -318,9 +316,9 @@ def _forget_pool_in_child() -> None:
     their buffers unmapped); start an empty pool. Dropping them frees only
     the child's copies of their bookkeeping. The lock is new: another parent
     thread may have held the old one at the fork."""
-    global _pool_lock, _idle, _live, _generation, _held
+    global _pool_lock, _idle, _in_use, _creating, _generation, _held
     _pool_lock = threading.Condition()
-    _idle, _live = {}, {}
+    _idle, _in_use, _creating = {}, {}, {}
     _generation += 1
     _held = threading.local()
 

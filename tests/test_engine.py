@@ -350,3 +350,32 @@ def test_engine_refuses_configurations_out_of_bounds(field, value):
     assert out[0] == ffi.NULL
     with pytest.raises(ValueError, match=field):
         Options(**{field: value})
+
+
+def test_pool_bounds_live_engines_and_waits_for_a_free_one():
+    import gc
+    import threading
+
+    opts = Options(engine="psync", max_engines=1, **SMALL)
+    _engine.clear_pool()
+    first = _engine.acquire(opts)
+    got = []
+    t = threading.Thread(target=lambda: got.append(_engine.acquire(opts)))
+    t.start()
+    t.join(0.3)
+    assert t.is_alive() and not got  # waits: one engine of this configuration at most
+    _engine.release(first)
+    t.join(5)
+    assert got == [first]  # the released engine, not a new one
+    assert _engine.pool_size() == 1
+    # an engine dropped without release() stops counting: no one waits forever
+    del first, got[:]
+    gc.collect()
+    assert _engine.pool_size() == 0
+    e = _engine.acquire(opts)
+    nested = _engine.acquire(opts)  # the same thread may exceed the bound: no self-deadlock
+    assert e is not nested and _engine.pool_size() == 2
+    _engine.release(nested)
+    _engine.release(e)
+    _engine.clear_pool()
+    assert _engine.pool_size() == 0
