@@ -2,6 +2,9 @@
 # machine (as root, or with sudo), then does its job.
 #   make bench   the default save and load benchmarks (2 GB tensor, temporary folder)
 #   make test    the test suite
+#   make sanitize  the C engine built with ASan and UBSan into build/sanitize/
+#                and the engine tests run against it (tests/run_sanitized.sh);
+#                the in-place build is neither rebuilt nor used
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 TORCH_VERSION ?= 2.13.0
@@ -9,7 +12,7 @@ DEBS := build-essential liburing-dev libaio-dev libisal-dev zlib1g-dev e2fsprogs
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 BENCH_ARGS ?= --size 2 --repeats 3
 
-.PHONY: deps build bench bench-model test clean
+.PHONY: deps build bench bench-model test sanitize clean
 
 deps:
 	@missing=""; for p in $(DEBS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -20,7 +23,7 @@ deps:
 	@# torch first, pinned: the CPU build; an open requirement would pull CUDA wheels
 	@$(PYTHON) -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$(TORCH_VERSION)')" 2>/dev/null \
 		|| $(PIP) install -q torch==$(TORCH_VERSION)
-	$(PIP) install -q "cffi>=1.15" "setuptools>=64" wheel "pytest>=7" numpy
+	$(PIP) install -q "cffi>=1.15" "setuptools>=64" wheel "pytest>=7" numpy hypothesis
 
 build: deps
 	$(PIP) install -q --no-build-isolation -e .
@@ -35,6 +38,11 @@ bench-model: build
 
 test: build
 	$(PYTHON) -m pytest -q tests
+
+# deps, not build: build would rebuild fastpersist/_engine_cffi*.so in place.
+# gcc's libasan and libubsan come with build-essential (gcc-N -> libgcc-N-dev).
+sanitize: deps
+	PYTHON=$(PYTHON) bash tests/run_sanitized.sh
 
 clean:
 	rm -rf build *.egg-info fastpersist/_engine_cffi.* fastpersist/*.so

@@ -53,6 +53,11 @@ for macro, lib, source, probe in OPTIONAL:
 if ("FP_HAVE_ISAL", "1") not in macros:
     libraries.append("z")  # CRC-32 from zlib instead
 
+# FASTPERSIST_EXTRA_CFLAGS: extra flags for both compiling and linking, added
+# after the usual ones (so an -O level there wins); `make sanitize` uses it for
+# its ASan/UBSan build. Unset, the build is as before.
+EXTRA_FLAGS = os.environ.get("FASTPERSIST_EXTRA_CFLAGS", "").split()
+
 ffibuilder = FFI()
 def _declarations() -> str:
     """fp_engine.h without its preprocessor lines: cffi parses the rest as is."""
@@ -68,7 +73,8 @@ ffibuilder.set_source(
     include_dirs=["csrc"],
     define_macros=macros,
     libraries=libraries,
-    extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+    extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"] + EXTRA_FLAGS,
+    extra_link_args=EXTRA_FLAGS,
 )
 
 if __name__ == "__main__":
