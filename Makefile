@@ -3,7 +3,7 @@
 #   make bench   the default save and load benchmarks (2 GB tensor, temporary folder)
 #   make test    the test suite
 #   make sanitize  the C engine built with ASan and UBSan into build/sanitize/
-#                and the engine tests run against it (tests/run_sanitized.sh);
+#                and the engine, save, fault and temporary-file tests run against it (tests/run_sanitized.sh);
 #                the in-place build is neither rebuilt nor used
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
