@@ -192,6 +192,7 @@ class Engine:
 
 
 _pool_lock = threading.Condition()
+_auto_lock = threading.Lock()
 _idle: dict[tuple, list[Engine]] = {}
 _in_use: dict[tuple, "weakref.WeakSet[Engine]"] = {}  # an engine dropped without release() stops counting
 _creating: dict[tuple, int] = {}
@@ -254,10 +255,13 @@ def acquire(options: Options) -> Engine:
     """An idle engine for these options, from the pool or new; waits while
     max_engines of them are in use by other threads."""
     kind = options.engine if options.engine != "auto" else _auto_kind
-    if kind is None:  # first auto use: the engine the kernel allows, counted like any other
-        engine = _resolve_auto(options)
-        with _pool_lock:
-            return _check_out(_pool_key(engine.kind, options), engine)
+    if kind is None:  # first auto use: one thread finds the engine the kernel allows
+        with _auto_lock:
+            if _auto_kind is None:
+                engine = _resolve_auto(options)
+                with _pool_lock:
+                    return _check_out(_pool_key(engine.kind, options), engine)
+        kind = _auto_kind
     if kind not in compiled_engines():
         raise OSError(errno.ENOSYS, f"the {kind} engine is not compiled into this fastpersist build")
     key = _pool_key(kind, options)
@@ -291,7 +295,8 @@ def release(engine: Engine) -> None:
     key = _pool_key(engine.kind, engine.options)
     with _pool_lock:
         _in_use.get(key, set()).discard(engine)
-        if engine.usable:
+        # over the bound (a nested acquire went past it): drop it instead of pooling it
+        if engine.usable and _alive(key) < engine.options.max_engines:
             _idle.setdefault(key, []).append(engine)
         _pool_lock.notify()
 
@@ -316,8 +321,9 @@ def _forget_pool_in_child() -> None:
     their buffers unmapped); start an empty pool. Dropping them frees only
     the child's copies of their bookkeeping. The lock is new: another parent
     thread may have held the old one at the fork."""
-    global _pool_lock, _idle, _in_use, _creating, _generation, _held
+    global _pool_lock, _auto_lock, _idle, _in_use, _creating, _generation, _held
     _pool_lock = threading.Condition()
+    _auto_lock = threading.Lock()
     _idle, _in_use, _creating = {}, {}, {}
     _generation += 1
     _held = threading.local()

@@ -105,11 +105,6 @@ def test_threads_save_and_load_with_a_bounded_pool(folder, configure, kind):
     assert leftovers(folder) == []
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: fastpersist/_engine.py acquire(), branch `if kind is None` (lines 257-260 at 51eec57): while "
-    "the auto choice is unresolved (first use in a process, or after clear_pool()), every thread that "
-    "calls acquire() runs _resolve_auto() and creates an engine outside the max_engines bound; 8 threads "
-    "saving at once leave 8 engines of 64 MiB in the pool"))
 def test_first_auto_use_by_many_threads_stays_bounded(folder, monkeypatch):
     for name in list(os.environ):
         if name.startswith("FASTPERSIST_") and name != "FASTPERSIST_AUTOPATCH":
@@ -184,11 +179,6 @@ def test_load_inside_a_save_with_one_engine_does_not_deadlock(folder, configure,
     assert leftovers(folder) == []
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: fastpersist/_engine.py, the `or holds_one` exemption (acquire(), line 270 at 51eec57) with "
-    "release() (lines 286-296): the extra engine a nested load creates beyond max_engines (so that it "
-    "does not deadlock) is put back in the pool like any other, so max_engines + 1 engines stay alive "
-    "afterwards, and later two threads run at once with max_engines=1"))
 def test_load_inside_a_save_leaves_the_pool_within_its_bound(folder, configure, engine):
     opts = configure(engine=engine, max_engines=1)
     others = _engine.pool_size()
