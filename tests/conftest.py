@@ -2,6 +2,7 @@ import contextlib
 import logging
 import os
 import subprocess
+import traceback
 import uuid
 
 import pytest
@@ -104,3 +105,22 @@ def mounted(fstype, size_kib=None, options=""):
 def log_records(caplog):
     caplog.set_level(logging.DEBUG, logger="fastpersist")
     return caplog
+
+
+def fork_child(body) -> int:
+    """Forks a child that runs body() and exits 0, or 1 with a traceback on
+    stderr; returns its pid. One intra-op thread in the child: torch 2.13
+    hangs in a forked child running a parallel op after the parent used its
+    thread pool."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        code = 1
+        try:
+            torch.set_num_threads(1)
+            body()
+            code = 0
+        except BaseException:  # noqa: BLE001
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    return pid

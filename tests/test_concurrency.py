@@ -16,7 +16,7 @@ import fastpersist
 from fastpersist import FastFileWriter, _engine
 from fastpersist.options import from_environment
 
-from conftest import ENGINES, leftovers, vanilla_load
+from conftest import ENGINES, fork_child, leftovers, vanilla_load
 
 save_module = importlib.import_module("fastpersist.save")  # fastpersist.save is the function
 
@@ -191,22 +191,6 @@ def test_load_inside_a_save_leaves_the_pool_within_its_bound(folder, configure, 
 # ---- processes --------------------------------------------------------------
 
 
-def _fork(body) -> int:
-    """A child that runs body() and exits 0, or 1 with a traceback on stderr."""
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - runs in the child
-        code = 1
-        try:
-            torch.set_num_threads(1)
-            body()
-            code = 0
-        except BaseException:  # noqa: BLE001
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    return pid
-
-
 def _exit_code(pid) -> int:
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status)
@@ -224,7 +208,7 @@ def test_two_processes_saving_to_one_path(folder, engine):
             assert os.read(go_r, 1) == b"g"
             fastpersist.save(objs[k], dest, engine=engine)
 
-        pids = [_fork(lambda k=k: save(k)) for k in range(2)]
+        pids = [fork_child(lambda k=k: save(k)) for k in range(2)]
         os.close(go_r)
         os.write(go_w, b"gg")  # both start at once
         os.close(go_w)
@@ -322,7 +306,7 @@ def test_save_and_load_in_forked_child_after_parent_used_the_engine(folder, conf
         fastpersist.save(child_obj, folder / "child.pt")
         _assert_same(fastpersist.load(folder / "child.pt"), child_obj)
 
-    assert _exit_code(_fork(child)) == 0, "the save or load in the forked child failed (see stderr)"
+    assert _exit_code(fork_child(child)) == 0, "the save or load in the forked child failed (see stderr)"
     _assert_same(vanilla_load(folder / "child.pt"), child_obj)  # not the parent's buffer contents
     # The parent's engines still work.
     fastpersist.save(later_obj, folder / "parent.pt")
@@ -353,7 +337,7 @@ def test_writer_opened_in_parent_refuses_to_write_in_child(folder, configure, en
                 report.append([op, exc.errno, str(exc)])
         os.write(report_w, json.dumps(report).encode())
 
-    pid = _fork(child)
+    pid = fork_child(child)
     os.close(report_w)
     with os.fdopen(report_r, "rb") as pipe:
         report = json.loads(pipe.read() or b"[]")

@@ -11,14 +11,13 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 
 import pytest
 import torch
 
 import fastpersist
 
-from conftest import leftovers, vanilla_load
+from conftest import fork_child, leftovers, vanilla_load
 
 save_module = importlib.import_module("fastpersist.save")  # fastpersist.save is the function
 
@@ -83,18 +82,7 @@ def _temporaries(folder):
 
 def _fork_save(obj, dest, engine) -> int:
     """A child process that saves obj to dest and exits 0 (1 on an exception)."""
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - runs in the child
-        code = 1
-        try:
-            torch.set_num_threads(1)
-            fastpersist.save(obj, dest, engine=engine)
-            code = 0
-        except BaseException:  # noqa: BLE001
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    return pid
+    return fork_child(lambda: fastpersist.save(obj, dest, engine=engine))
 
 
 def _wait(pid) -> int:
