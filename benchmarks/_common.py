@@ -162,7 +162,7 @@ def raw_engine_write(source, nbytes: int, engine: str) -> Callable[[str], int]:
     span = source.untyped_storage().nbytes()
 
     def run(path: str) -> int:
-        with FastFileWriter(path, exclusive=True, engine=engine) as w:
+        with FastFileWriter(path, exclusive=True, sole_writer=True, engine=engine) as w:
             left = nbytes
             while left:
                 n = min(left, span)
