@@ -296,13 +296,16 @@ _MIN_VERSION, _MAX_VERSION = 1, 10  # kMin/kMaxSupportedFileFormatVersion of tor
 
 
 def _eocd_search_start(size: int) -> int:
-    """Lowest offset miniz searches for the end record: it reads 4096-byte
+    """Lowest offset miniz searches for the end record. It reads 4096-byte
     blocks backwards from the end, each overlapping the next by 3 bytes, and
-    gives up after the block at the file's start or the first one starting
-    0xFFFF + 22 or more bytes before the end."""
+    stops after the block at the file's start or the first one starting
+    0xFFFF + 22 or more bytes before the end. The step back is computed
+    unsigned: from a block starting less than 4093 bytes into the file it
+    lands before the file's start and the read fails, so the search ends
+    there too (torch.load then raises OSError or a miniz read error)."""
     start = max(size - 4096, 0)
-    while start and size - start < 0xFFFF + _EOCD.size:
-        start = max(start - 4093, 0)
+    while start >= 4093 and size - start < 0xFFFF + _EOCD.size:
+        start -= 4093
     return start
 
 

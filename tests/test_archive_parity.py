@@ -368,3 +368,64 @@ def test_version_record_read_like_torchs(tmp_path, version, accepted):
         with pytest.raises(CheckpointError, match="version"):
             fastpersist.load_into(t, path)
         assert unchanged(t)
+
+
+@pytest.mark.parametrize("junk, opens", [(1, True), (100, True), (4000, True), (65535, False), (66000, False),
+                                         (69562, True), (69563, False), (80000, False)])
+def test_bytes_after_the_end_record(tmp_path, junk, opens):
+    """miniz looks for the end record in 4 KiB blocks stepping back 4093 bytes
+    from the end of the file. It gives up after the block that starts 0xFFFF
+    + 22 or more bytes before the end, and a step back from a block starting
+    less than 4093 bytes into the file wraps (unsigned) and fails to read. So
+    with junk after the end record, whether the file opens depends on where
+    the blocks fall: the seed's end record is the first 22 bytes of the 17th
+    block with 69562 junk bytes, out of reach with 69563, and behind a failing
+    step with 65535 (the seed being under 4 KiB)."""
+    data = torch_seed(tmp_path)
+    assert len(data) < 4000
+    data += bytes(range(256)) * (junk // 256) + b"\x01" * (junk % 256)
+    path = tmp_path / "junk.pt"
+    problems = compare(path, f"{junk} bytes after the end record", data, None, report=False)
+    assert not problems, problems
+    refused = outcome(lambda: fastpersist.load(path, weights_only=False))[1]
+    assert (refused is None) == opens, refused
+
+
+def rewritten(folder, name, records) -> bytes:
+    """An archive of (name, bytes) records in this order, by Python's zipfile."""
+    import warnings
+
+    path = folder / name
+    with warnings.catch_warnings(), zipfile.ZipFile(path, "w") as dst:
+        warnings.simplefilter("ignore")  # "Duplicate name"
+        for record_name, payload in records:
+            dst.writestr(record_name, payload)
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("copies, order", [(2, "after"), (2, "before"), (3, "after"), (4, "around"),
+                                           (5, "around"), (7, "after")])
+def test_which_of_equal_names_is_read(tmp_path, copies, order):
+    """Records whose names are equal but for ASCII case: torch's reader finds
+    one of them by binary search over miniz's heap sort of the names, so
+    which one depends on the order and number of records. fastpersist must
+    read the same one."""
+    torch_seed(tmp_path)
+    with zipfile.ZipFile(tmp_path / "seed.pt") as src:
+        records = [(i.filename, src.read(i)) for i in src.infolist()]
+    at = next(i for i, (n, _) in enumerate(records) if n.endswith("/data/0"))
+    name, payload = records[at]
+    spellings = [name.replace("data/0", v) for v in ("data/0", "DATA/0", "Data/0", "dATA/0", "daTa/0", "DaTa/0",
+                                                      "DAta/0")]
+    copies_of = [(spellings[k], struct.pack("<6f", *([float(k + 1)] * 6))) for k in range(1, copies)]
+    if order == "after":
+        records[at + 1:at + 1] = copies_of
+    elif order == "before":
+        records[1:1] = copies_of  # after data.pkl: the first record names the archive
+    else:
+        records[1:1] = copies_of[: len(copies_of) // 2]
+        records.extend(copies_of[len(copies_of) // 2:])
+    data = rewritten(tmp_path, "dup.pt", records)
+    path = tmp_path / "mutated.pt"
+    problems = compare(path, f"{copies} spellings of data/0, {order}", data, None, report=False)
+    assert not problems, problems
