@@ -141,3 +141,26 @@ def test_awkward_path_names(folder, name):
     assert prefix(ours) == expected
     assert prefix(theirs) == ({"ref-" + next(iter(expected))} if name.isascii() else {"archive"})
     assert leftovers(path.parent) == []
+
+
+def test_durability_order_file_fsync_rename_folder_fsync(folder, monkeypatch):
+    """The file's bytes are durable before the rename makes them the
+    checkpoint, and the rename is durable before save returns."""
+    calls = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        calls.append("fsync folder" if stat.S_ISDIR(os.fstat(fd).st_mode) else "fsync file")
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        calls.append("rename")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    fastpersist.save(OBJ, folder / "ckpt.pt")
+    assert calls == ["fsync file", "rename", "fsync folder"]
+    calls.clear()
+    fastpersist.save(OBJ, folder / "ckpt.pt", fsync=False)
+    assert calls == ["rename"]
