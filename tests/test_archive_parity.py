@@ -32,12 +32,14 @@ from corpus import assert_same
 
 # Deliberate difference: a record whose central directory entry marks it as a
 # directory (DOS attribute bit 0x10, or a name ending in '/') but which holds
-# bytes. miniz extracts nothing from a "directory", so torch.load hands out
-# the record's buffer uninitialised: tensors full of whatever the allocator
-# left there, or a pickle, version or byte order that fails at random.
-# There is nothing to agree with; fastpersist refuses such a record when it
-# is read (CheckpointError), instead of returning either garbage or bytes
-# torch never reads.
+# bytes. miniz extracts nothing from a "directory" (nor from a record with 0
+# stored bytes, which takes two changed fields to get past its checks), so
+# torch.load hands out the record's buffer uninitialised: tensors full of
+# whatever the allocator left there, or a pickle, version or byte order that
+# fails at random. There is nothing to agree with; fastpersist refuses such a
+# record when it is read (CheckpointError), instead of returning either
+# garbage or bytes torch never reads. (The other difference, by design:
+# fastpersist.load(verify=True) checks the CRC-32s torch ignores.)
 DIRECTORY = "directory"
 
 EOCD = (("signature", 0, 4), ("disk", 4, 2), ("cd_disk", 6, 2), ("entries_on_disk", 8, 2),
