@@ -54,6 +54,10 @@ def load(f, map_location=None, pickle_module=None, *, weights_only: Optional[boo
     from .patching import current_options, original_load
 
     def delegate():
+        if verify and _is_plain_path(f) and not mmap:
+            raise CheckpointError(f"{os.fspath(f)}: verify=True checks zip checkpoints written by torch.save; "
+                                  "this file is not one (legacy, TorchScript or compressed, or its first bytes "
+                                  "are damaged), and the original torch.load that reads it checks no CRCs")
         if verify:
             raise ValueError(f"verify=True needs a path to a zip checkpoint; {f!r} is read by the original "
                              "torch.load, which does not check CRCs")
@@ -273,7 +277,8 @@ class IncompatibleKeys(NamedTuple):
 def load_into(target, f, *, strict: bool = True, verify: bool = False, weights_only: bool = True,
               **options) -> IncompatibleKeys:
     """Reads the checkpoint at path ``f`` straight into the tensors of
-    ``target``, an ``nn.Module`` or a (possibly nested) state dict.
+    ``target``, an ``nn.Module`` or a state dict (nested dicts and lists;
+    a tuple or other container holding tensors is refused).
 
     Every stored tensor goes into the memory of the existing tensor with the
     same key: no intermediate tensor and no second copy for contiguous CPU
@@ -338,19 +343,35 @@ def _key(path: tuple) -> str:
     return ".".join(map(str, path))
 
 
-def _flatten(obj, what: str, prefix: tuple = ()) -> dict:
-    """Nested dicts -> {key path: leaf}; tensors and other values are leaves."""
+def _flatten(obj, what: str) -> dict:
+    """A state dict -> {key path: leaf}, through nested dicts and non-empty
+    lists (items keyed by their index); tensors and other values are leaves."""
     if not isinstance(obj, Mapping):
-        if prefix:
-            return {prefix: obj}
         raise TypeError(f"the {what} holds a {type(obj).__name__}, not a state dict")
-    flat = {}
-    for k, v in obj.items():
-        if isinstance(v, Mapping):
-            flat.update(_flatten(v, what, prefix + (k,)))
-        else:
-            flat[prefix + (k,)] = v
+    flat: dict = {}
+
+    def walk(container, prefix: tuple) -> None:
+        for k, v in (container.items() if isinstance(container, Mapping) else enumerate(container)):
+            if isinstance(v, Mapping) or (isinstance(v, list) and v):
+                walk(v, prefix + (k,))
+            else:
+                flat[prefix + (k,)] = v
+
+    walk(obj, ())
     return flat
+
+
+def _holds_tensors(value) -> bool:
+    """A value that load_into would have to rebuild rather than fill in place."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, (tuple, list, set, frozenset)):
+        return any(_holds_tensors(v) for v in value)
+    if isinstance(value, Mapping):
+        return any(_holds_tensors(v) for v in value.values())
+    return False
 
 
 class _Plan:
@@ -459,6 +480,10 @@ def _plan(image: _CheckpointImage, stored: dict, target: dict, strict: bool, is_
             elif is_module:
                 errors.append(f'"{name}" holds a {type(value).__name__}, not a tensor; load_into restores tensors '
                               "(use load_state_dict for modules with extra state).")
+            elif _holds_tensors(value):
+                # the layout pass sees its tensors as meta tensors: storing it would lose their data
+                errors.append(f'"{name}" is a {type(value).__name__} holding tensors; load_into restores tensors '
+                              "in dicts and lists (use fastpersist.load for other containers).")
             else:
                 plan.values.append((path, value))
             continue

@@ -143,3 +143,27 @@ def test_big_endian_file(folder):
     target = {"x": torch.zeros(3, 4), "t": torch.zeros(4, 3)}
     fastpersist.load_into(target, folder / "big.pt")
     assert torch.equal(target["x"], values) and torch.equal(target["t"], values.t())
+
+
+def test_tensors_in_lists_are_restored_and_other_containers_refused(folder):
+    state = {"list": [torch.arange(3), {"x": torch.ones(2)}, 7], "tuple": (1, 2), "empty": []}
+    fastpersist.save(state, folder / "l.pt")
+    target = {"list": [torch.zeros(3, dtype=torch.int64), {"x": torch.zeros(2)}, 0], "tuple": (0, 0), "empty": []}
+    kept = target["list"][0]
+    fastpersist.load_into(target, folder / "l.pt")
+    assert target["list"][0] is kept and torch.equal(kept, torch.arange(3))
+    assert torch.equal(target["list"][1]["x"], torch.ones(2)) and target["list"][2] == 7
+    assert target["tuple"] == (1, 2) and target["empty"] == []
+
+    fastpersist.save({"pair": (torch.ones(2), torch.ones(3))}, folder / "t.pt")
+    target = {"pair": (torch.zeros(2), torch.zeros(3))}
+    with pytest.raises(RuntimeError, match=r'"pair" is a tuple holding tensors'):
+        fastpersist.load_into(target, folder / "t.pt")
+    assert torch.equal(target["pair"][0], torch.zeros(2))
+
+
+def test_verify_on_a_path_that_is_not_a_zip_checkpoint_names_it(folder):
+    path = folder / "legacy.pt"
+    torch.save({"a": torch.ones(2)}, path, _use_new_zipfile_serialization=False)
+    with pytest.raises(fastpersist.CheckpointError, match="legacy.pt: verify=True checks zip checkpoints"):
+        fastpersist.load(path, verify=True)
