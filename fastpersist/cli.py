@@ -207,10 +207,9 @@ def gather_info(folder: str) -> dict:
     """Everything `fastpersist info` reports, as JSON-friendly values."""
     import cffi
     import torch
-    import torch.serialization
 
-    from .options import Options
-    from .patching import current_options
+    from . import _torch_api
+    from .options import Options, current_options
 
     try:
         defaults: Any = dataclasses.asdict(current_options())
@@ -239,7 +238,7 @@ def gather_info(folder: str) -> dict:
         # what `import fastpersist` does in a program run with this environment
         # (this command's own patching says nothing about another process)
         "autopatch_on_import": fastpersist.autopatch_enabled(),
-        "source_patch_applied": hasattr(torch.serialization, "_fastpersist_vanilla_save"),
+        "source_patch_applied": _torch_api.source_patch_applied(),
         "folder": folder,
         "o_direct": probe_o_direct(folder),
         "filesystem": filesystem_of(folder),

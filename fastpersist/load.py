@@ -25,8 +25,8 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, NamedTuple, Optional
 
-from . import _engine
-from .options import Options
+from . import _engine, _torch_api
+from .options import Options, current_options
 from .torch_format import ArchiveIndex, CheckpointError, TorchArchiveReader
 from .writer import open_direct
 
@@ -51,8 +51,6 @@ def load(f, map_location=None, pickle_module=None, *, weights_only: Optional[boo
     first and raises :class:`fastpersist.CheckpointError` on a mismatch (and
     for files saved without checksums, which cannot be verified).
     """
-    from .patching import current_options, original_load
-
     def delegate():
         if verify and _is_plain_path(f) and not mmap:
             raise CheckpointError(f"{os.fspath(f)}: verify=True checks zip checkpoints written by torch.save; "
@@ -61,15 +59,12 @@ def load(f, map_location=None, pickle_module=None, *, weights_only: Optional[boo
         if verify:
             raise ValueError(f"verify=True needs a path to a zip checkpoint; {f!r} is read by the original "
                              "torch.load, which does not check CRCs")
-        return original_load()(f, map_location, pickle_module, weights_only=weights_only, mmap=mmap,
+        return _torch_api.original_load()(f, map_location, pickle_module, weights_only=weights_only, mmap=mmap,
                                **pickle_load_args)
 
-    if not _is_plain_path(f) or os.fspath(f).endswith(".safetensors") or _lazy_or_meta(map_location, mmap):
+    if not _is_plain_path(f) or os.fspath(f).endswith(".safetensors") or _torch_api.lazy_or_meta_load(map_location, mmap):
         return delegate()
     path = os.fspath(f)
-
-    import torch
-    import torch.serialization as ts
 
     # The file first: legacy and TorchScript files go to torch.load before
     # anything below could warn twice.
@@ -78,10 +73,10 @@ def load(f, map_location=None, pickle_module=None, *, weights_only: Optional[boo
         return delegate()
     with image:
         # Resolve the arguments exactly as torch.load does (torch 2.13).
-        torch._C._log_api_usage_once("torch.load")
+        _torch_api.log_api_usage("torch.load")
         wo_requested = weights_only
         if weights_only is None:
-            weights_only = ts._default_to_weights_only(pickle_module)
+            weights_only = _torch_api.default_to_weights_only(pickle_module)
         force_wo = os.getenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in _TRUE
         force_no_wo = os.getenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0").lower() in _TRUE
         if force_wo and force_no_wo:
@@ -101,7 +96,7 @@ def load(f, map_location=None, pickle_module=None, *, weights_only: Optional[boo
             pickle_module = pickle
         if pickle_load_args and weights_only:
             warnings.warn("pickle_load_args only works if `weights_only=False`.", stacklevel=2)
-        ts._check_dill_version(pickle_module)
+        _torch_api.check_dill_version(pickle_module)
         load_args = dict(pickle_load_args)
         load_args.setdefault("encoding", "utf-8")
 
@@ -112,33 +107,20 @@ def load(f, map_location=None, pickle_module=None, *, weights_only: Optional[boo
         # (mmap=True); through get_storage_from_record each one is checked
         # against its record's size first.
         reader = TorchArchiveReader(image.index, image.read_at, image.as_storage())
-        unpickler = ts._weights_only_unpickler if weights_only else pickle_module
+        unpickler = _torch_api.weights_only_unpickler() if weights_only else pickle_module
         try:
-            return ts._load(reader, map_location, unpickler, **load_args)
+            return _torch_api.unpickle_from(reader, map_location, unpickler, **load_args)
         except pickle.UnpicklingError:
             if not weights_only:
                 raise
             # torch.load words weights_only refusals with a helper private to
             # it; let it refuse the file itself so the error is word for word
             # the same (it stops at the same global, before loading tensors).
-            return original_load()(path, map_location, None, weights_only=True, mmap=False, **pickle_load_args)
+            return _torch_api.original_load()(path, map_location, None, weights_only=True, mmap=False, **pickle_load_args)
 
 
 def _is_plain_path(f) -> bool:
     return isinstance(f, (str, os.PathLike)) and isinstance(os.fspath(f), str)
-
-
-def _lazy_or_meta(map_location, mmap: Optional[bool]) -> bool:
-    """Loads that read no tensor data up front: torch's lazy paths serve them best."""
-    import torch
-    import torch.serialization as ts
-
-    if mmap is None:
-        from torch.utils.serialization import config
-
-        mmap = config.load.mmap
-    return (bool(mmap) or ts._is_meta_location(map_location) or ts._serialization_tls.skip_data
-            or torch._guards.detect_fake_mode(None) is not None)
 
 
 class _CheckpointImage:
@@ -297,8 +279,6 @@ def load_into(target, f, *, strict: bool = True, verify: bool = False, weights_o
     """
     import torch
 
-    from .patching import current_options
-
     opts = current_options().replace(**options)
     if not _is_plain_path(f):
         raise TypeError(f"load_into reads from a path, got {type(f).__name__}")
@@ -312,11 +292,9 @@ def load_into(target, f, *, strict: bool = True, verify: bool = False, weights_o
         raise CheckpointError(f"{path}: load_into reads zip checkpoints written by torch.save (1.6 or later); "
                               "this one is legacy, TorchScript or compressed")
     with image:
-        import torch.serialization as ts
-
         reader = _NativeOrderReader(image.index, image.read_at)
-        unpickler = ts._weights_only_unpickler if weights_only else pickle
-        stored = ts._load(reader, "meta", unpickler)  # shapes and file places only; no tensor data read
+        unpickler = _torch_api.weights_only_unpickler() if weights_only else pickle
+        stored = _torch_api.unpickle_from(reader, "meta", unpickler)  # shapes and file places only; no tensor data read
         if is_module:  # a module's keys are already dotted paths: match them as single keys
             stored_flat = {(_key(k),): v for k, v in _flatten(stored, "state dict").items()}
             target_flat = {(k,): v for k, v in target.state_dict(keep_vars=True).items()}
@@ -503,7 +481,7 @@ def _plan(image: _CheckpointImage, stored: dict, target: dict, strict: bool, is_
         if value.numel() == 0:
             continue
         storage = value.untyped_storage()
-        offset = getattr(storage, "_checkpoint_offset", None)
+        offset = _torch_api.checkpoint_offset(storage)
         record = records_at.get(offset)
         if record is None:
             raise CheckpointError(f"{image.path}: the tensor '{name}' points at offset {offset}, where no record starts")

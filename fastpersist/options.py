@@ -90,6 +90,19 @@ def _coerce(name: str, value):
     return int(match.group(1)) * scale
 
 
+_patched_options: "Options | None" = None  # set by patching.patch()
+
+
+def current_options() -> Options:
+    """Options of the last patch(), else the environment's."""
+    return _patched_options if _patched_options is not None else from_environment()
+
+
+def set_patched_options(options: "Options | None") -> None:
+    global _patched_options
+    _patched_options = options
+
+
 def from_environment(environ=os.environ) -> Options:
     """Defaults overridden by FASTPERSIST_<OPTION> variables."""
     overrides = {}

@@ -4,42 +4,23 @@ from __future__ import annotations
 import functools
 import pickle
 import threading
-from typing import Callable, Optional
 
 import torch
 import torch.serialization
 
-from .options import Options, from_environment
+from . import options as _options
+from ._torch_api import DEFAULT_PROTOCOL, original_load, original_save
+from .options import current_options, from_environment
 
 _lock = threading.RLock()
-# With the source patch (patches/) applied, torch.serialization.save itself
-# calls fastpersist and keeps torch's own body as _fastpersist_vanilla_save.
-_original_save: Callable = getattr(torch.serialization, "_fastpersist_vanilla_save", torch.serialization.save)
-if getattr(_original_save, "__fastpersist__", False):  # module re-import: keep the true original
-    _original_save = _original_save.__wrapped__
-_original_load: Callable = torch.serialization.load
-if getattr(_original_load, "__fastpersist__", False):
-    _original_load = _original_load.__wrapped__
-_patched_options: Optional[Options] = None
+_original_save = original_save()
+_original_load = original_load()
 
-
-def original_save() -> Callable:
-    """torch.save as it was before fastpersist patched it."""
-    return _original_save
-
-
-def original_load() -> Callable:
-    """torch.load as it was before fastpersist patched it."""
-    return _original_load
-
-
-def current_options() -> Options:
-    """Options of the last patch(), else the environment's."""
-    return _patched_options if _patched_options is not None else from_environment()
+__all__ = ["current_options", "is_patched", "original_load", "original_save", "patch", "unpatch"]
 
 
 @functools.wraps(_original_save)
-def _fast_save(obj, f, pickle_module=pickle, pickle_protocol=torch.serialization.DEFAULT_PROTOCOL,
+def _fast_save(obj, f, pickle_module=pickle, pickle_protocol=DEFAULT_PROTOCOL,
                _use_new_zipfile_serialization=True, _disable_byteorder_record=False):
     from .save import save
 
@@ -67,10 +48,9 @@ def patch(**options) -> None:
     every patched save and load; unset ones come from ``FASTPERSIST_*`` variables.
     Calling it again replaces the options; it is harmless to call twice.
     """
-    global _patched_options
     opts = from_environment().replace(**options)  # raises on bad options before changing anything
     with _lock:
-        _patched_options = opts
+        _options.set_patched_options(opts)
         torch.save = _fast_save
         torch.serialization.save = _fast_save
         torch.load = _fast_load
@@ -79,9 +59,8 @@ def patch(**options) -> None:
 
 def unpatch() -> None:
     """Restores the original torch.save and torch.load; harmless when not patched."""
-    global _patched_options
     with _lock:
-        _patched_options = None
+        _options.set_patched_options(None)
         if torch.save is _fast_save:
             torch.save = _original_save
         if torch.serialization.save is _fast_save:

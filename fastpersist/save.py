@@ -12,13 +12,13 @@ import secrets
 import stat
 from typing import Optional
 
-from . import torch_format
-from .options import Options
+from . import _torch_api, torch_format
+from .options import Options, current_options
 from .writer import FastFileWriter, same_file
 
 log = logging.getLogger("fastpersist")
 
-DEFAULT_PROTOCOL = 2  # torch.serialization.DEFAULT_PROTOCOL
+DEFAULT_PROTOCOL = _torch_api.DEFAULT_PROTOCOL
 
 
 def save(obj, f, pickle_module=pickle, pickle_protocol: int = DEFAULT_PROTOCOL,
@@ -35,19 +35,15 @@ def save(obj, f, pickle_module=pickle, pickle_protocol: int = DEFAULT_PROTOCOL,
     Keyword options (see :class:`fastpersist.Options`) override those of
     ``fastpersist.patch()`` and the ``FASTPERSIST_*`` environment variables.
     """
-    from .patching import current_options, original_save
-
     opts = current_options().replace(**options)
     reason = _not_accelerated_because(f, pickle_module, _use_new_zipfile_serialization)
     if reason:
         log.debug("fastpersist: torch.save to %r goes to the original torch.save: %s", f, reason)
-        return original_save()(obj, f, pickle_module, pickle_protocol,
+        return _torch_api.original_save()(obj, f, pickle_module, pickle_protocol,
                                _use_new_zipfile_serialization, _disable_byteorder_record)
 
-    import torch.serialization
-
-    torch._C._log_api_usage_once("torch.save")
-    torch.serialization._check_dill_version(pickle_module)
+    _torch_api.log_api_usage("torch.save")
+    _torch_api.check_dill_version(pickle_module)
     save_to_path(obj, os.fspath(f), opts, pickle_module, pickle_protocol, _disable_byteorder_record)
 
 

@@ -59,12 +59,9 @@ def produced_format_version() -> bytes:
         import io
         import zipfile
 
-        import torch
+        from ._torch_api import empty_archive_from_torch
 
-        buf = io.BytesIO()
-        writer = torch._C.PyTorchFileWriter(buf)
-        writer.write_end_of_file()
-        with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as z:
+        with zipfile.ZipFile(io.BytesIO(empty_archive_from_torch())) as z:
             _produced_version = z.read("archive/version")
     return _produced_version
 
@@ -240,22 +237,15 @@ class TorchZipWriter:
         return self.layout.cursor
 
 
-def torch_save_settings() -> tuple[bool, int]:
-    """torch's compute_crc32 and storage_alignment settings."""
-    from torch.utils.serialization import config
-
-    return bool(config.save.compute_crc32), int(config.save.storage_alignment)
-
-
 def save_records(obj, sink, archive_name: str, pickle_module, pickle_protocol: int,
                  disable_byteorder_record: bool, start: int = 0) -> int:
     """Runs torch's own pickling (``torch.serialization._save``) with a
     TorchZipWriter over ``sink``; returns the archive size."""
-    import torch.serialization
+    from ._torch_api import pickle_into, save_settings
 
-    compute_crc32, alignment = torch_save_settings()
+    compute_crc32, alignment = save_settings()
     writer = TorchZipWriter(sink, archive_name, alignment, compute_crc32, start)
-    torch.serialization._save(obj, writer, pickle_module, pickle_protocol, disable_byteorder_record)
+    pickle_into(obj, writer, pickle_module, pickle_protocol, disable_byteorder_record)
     return writer.finish()
 
 

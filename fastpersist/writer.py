@@ -9,7 +9,7 @@ import os
 from typing import Optional
 
 from . import _engine
-from .options import Options
+from .options import Options, current_options
 
 log = logging.getLogger("fastpersist")
 
@@ -66,8 +66,6 @@ class FastFileWriter(io.RawIOBase):
     def __init__(self, path, offset: int = 0, *, truncate: bool = False, exclusive: bool = False,
                  sole_writer: bool = False, options: Optional[Options] = None, **overrides):
         super().__init__()
-        from .patching import current_options
-
         self.options = (options or current_options()).replace(**overrides)
         self.path = os.fspath(path)
         if offset < 0:

@@ -13,6 +13,7 @@ import torch
 import torch.serialization
 
 import fastpersist
+import fastpersist._torch_api
 import fastpersist.patching
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,8 +93,8 @@ def calls(monkeypatch, patched_module):
         return wrapper
 
     monkeypatch.setattr(fp_save_module, "save", spy("fastpersist", fp_save_module.save))
-    monkeypatch.setattr(fastpersist.patching, "_original_save",
-                        spy("original", fastpersist.patching._original_save))
+    monkeypatch.setattr(fastpersist._torch_api, "_original_save",
+                        spy("original", fastpersist._torch_api._original_save))
     monkeypatch.setattr(patched_module, "_fastpersist_vanilla_save",
                         spy("vanilla", patched_module._fastpersist_vanilla_save))
     return record

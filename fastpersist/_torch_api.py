@@ -1,0 +1,100 @@
+"""Every use of torch's private serialization API, in one place, so that a
+torch upgrade touches this file alone (checked against torch 2.13).
+
+Also torch's own ``save`` and ``load`` as they were before fastpersist
+routed them (``patching`` swaps the public names; the source patch in
+``patches/`` keeps torch's body as ``_fastpersist_vanilla_save``).
+"""
+from __future__ import annotations
+
+import io
+from typing import Callable
+
+import torch
+import torch.serialization as _ts
+
+DEFAULT_PROTOCOL: int = _ts.DEFAULT_PROTOCOL
+
+
+def _unwrapped(func: Callable) -> Callable:
+    # fastpersist's wrappers carry __fastpersist__ and functools.wraps' __wrapped__
+    return func.__wrapped__ if getattr(func, "__fastpersist__", False) else func
+
+
+_original_save: Callable = _unwrapped(getattr(_ts, "_fastpersist_vanilla_save", _ts.save))
+_original_load: Callable = _unwrapped(_ts.load)
+
+
+def original_save() -> Callable:
+    """torch.save as it was before fastpersist routed it."""
+    return _original_save
+
+
+def original_load() -> Callable:
+    """torch.load as it was before fastpersist routed it."""
+    return _original_load
+
+
+def source_patch_applied() -> bool:
+    return hasattr(_ts, "_fastpersist_vanilla_save")
+
+
+# -- saving -------------------------------------------------------------------
+
+def log_api_usage(name: str) -> None:
+    torch._C._log_api_usage_once(name)
+
+
+def check_dill_version(pickle_module) -> None:
+    _ts._check_dill_version(pickle_module)
+
+
+def pickle_into(obj, zip_writer, pickle_module, pickle_protocol: int, disable_byteorder_record: bool) -> None:
+    """torch's own pickling: zip_writer stands in for PyTorchFileWriter."""
+    _ts._save(obj, zip_writer, pickle_module, pickle_protocol, disable_byteorder_record)
+
+
+def save_settings() -> tuple[bool, int]:
+    """torch's compute_crc32 and storage_alignment settings."""
+    from torch.utils.serialization import config
+
+    return bool(config.save.compute_crc32), int(config.save.storage_alignment)
+
+
+def empty_archive_from_torch() -> bytes:
+    """An archive written by torch's own zip writer with no records of ours."""
+    buf = io.BytesIO()
+    writer = torch._C.PyTorchFileWriter(buf)
+    writer.write_end_of_file()
+    return buf.getvalue()
+
+
+# -- loading ------------------------------------------------------------------
+
+def unpickle_from(zip_reader, map_location, unpickler, **pickle_load_args):
+    """torch's own unpickling: zip_reader stands in for PyTorchFileReader."""
+    return _ts._load(zip_reader, map_location, unpickler, **pickle_load_args)
+
+
+def weights_only_unpickler():
+    return _ts._weights_only_unpickler
+
+
+def default_to_weights_only(pickle_module) -> bool:
+    return _ts._default_to_weights_only(pickle_module)
+
+
+def lazy_or_meta_load(map_location, mmap) -> bool:
+    """Loads that read no tensor data up front: mmap, meta, skip_data, fake tensors."""
+    if mmap is None:
+        from torch.utils.serialization import config
+
+        mmap = config.load.mmap
+    return (bool(mmap) or _ts._is_meta_location(map_location) or _ts._serialization_tls.skip_data
+            or torch._guards.detect_fake_mode(None) is not None)
+
+
+def checkpoint_offset(storage):
+    """Where a storage's bytes start in the file, as torch's meta-device load
+    records it (``map_location="meta"`` reads no data), or None."""
+    return getattr(storage, "_checkpoint_offset", None)
