@@ -213,7 +213,7 @@ def run_load_rounds(runner: Runner, path: str, target, engines: list[str], repea
 
     import fastpersist
     import torch
-    from fastpersist.load import reading_engine
+    from fastpersist.fileio import reading_engine
     from fastpersist.options import Options
     from fastpersist.patching import original_load
 

@@ -16,7 +16,6 @@ engine's buffers into its destination.
 """
 from __future__ import annotations
 
-import contextlib
 import mmap as _mmap
 import os
 import pickle
@@ -26,9 +25,9 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple, Optional
 
 from . import _engine, _torch_api
+from .fileio import read_extents, reading_engine
 from .options import Options, current_options
 from .torch_format import ArchiveIndex, CheckpointError, TorchArchiveReader
-from .writer import open_direct
 
 _TRUE = ("1", "y", "yes", "true")
 
@@ -222,22 +221,6 @@ class _CheckpointImage:
         return crc
 
 
-@contextlib.contextmanager
-def reading_engine(path: str, options: Options):
-    """An engine from the pool and an O_DIRECT descriptor for path (-1 where
-    refused or not wanted), returned to the pool and closed afterwards."""
-    direct_fd = open_direct(path, os.O_RDONLY) if options.direct else -1
-    try:
-        engine = _engine.acquire(options)
-        try:
-            yield engine, direct_fd
-        finally:
-            _engine.release(engine)
-    finally:
-        if direct_fd >= 0:
-            os.close(direct_fd)
-
-
 def _close_quietly(fd: int) -> None:
     try:
         os.close(fd)
@@ -397,25 +380,12 @@ class _Plan:
         """Reads (address, offset, nbytes) extents in passes of non-overlapping
         ones (tied tensors share file bytes); returns {(offset, nbytes): crc}
         with checksums."""
-        crcs = {}
-        pending = sorted((e for e in extents if e[2]), key=lambda e: (e[1], e[2]))
         with reading_engine(image.path, image.options) as (engine, direct_fd):
-            while pending:
-                batch, rest, end = [], [], -1
-                for e in pending:
-                    if e[1] >= end:
-                        batch.append(e)
-                        end = e[1] + e[2]
-                    else:
-                        rest.append(e)
-                copied, sums = engine.read_extents(direct_fd, image.fd, batch, image.path, checksums=checksums)
-                if copied != sum(e[2] for e in batch):
-                    raise CheckpointError(f"{image.path}: the file ended early while reading tensors "
-                                          "(did it shrink while being read?)")
-                if checksums:
-                    crcs.update(((e[1], e[2]), c) for e, c in zip(batch, sums))
-                pending = rest
-        return crcs
+            try:
+                return read_extents(engine, direct_fd, image.fd, image.path, extents, checksums)
+            except EOFError:
+                raise CheckpointError(f"{image.path}: the file ended early while reading tensors "
+                                      "(did it shrink while being read?)") from None
 
     @staticmethod
     def _verify(image: _CheckpointImage, crcs: dict) -> None:

@@ -14,7 +14,8 @@ from typing import Optional
 
 from . import _torch_api, torch_format
 from .options import Options, current_options
-from .writer import FastFileWriter, same_file
+from .fileio import same_file
+from .writer import FastFileWriter
 
 log = logging.getLogger("fastpersist")
 

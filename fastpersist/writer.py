@@ -2,43 +2,16 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import io
 import logging
 import os
 from typing import Optional
 
 from . import _engine
+from .fileio import open_direct
 from .options import Options, current_options
 
 log = logging.getLogger("fastpersist")
-
-
-def open_direct(path: str, flags: int, same_as: int = -1) -> int:
-    """An O_DIRECT descriptor for path, or -1 where the filesystem refuses it
-    (tmpfs on older kernels, ramfs, some FUSE and network filesystems).
-
-    same_as: a descriptor already open on path. The second descriptor must
-    reach the same file: a symlink or another file planted at the name in
-    between is refused, never written through."""
-    try:
-        injected = _engine.injected_open_error()
-        if injected is not None:
-            raise injected
-        fd = os.open(path, flags | os.O_DIRECT | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-        log.debug("fastpersist: %s refuses O_DIRECT; using buffered I/O", path)
-        return -1
-    if same_as >= 0 and not same_file(os.fstat(fd), os.fstat(same_as)):
-        os.close(fd)
-        raise OSError(errno.EEXIST, "the file was replaced while fastpersist opened it", path)
-    return fd
-
-
-def same_file(a: os.stat_result, b: os.stat_result) -> bool:
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 class FastFileWriter(io.RawIOBase):

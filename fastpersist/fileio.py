@@ -1,0 +1,81 @@
+"""fastpersist's file I/O layer, shared by save, load and what builds on them:
+O_DIRECT descriptors, engines taken from the pool for a file, and reads of
+many extents. (The engine itself, its pool and its binding: _engine.py.)"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+
+from . import _engine
+from .options import Options
+
+log = logging.getLogger("fastpersist")
+
+
+def open_direct(path: str, flags: int, same_as: int = -1) -> int:
+    """An O_DIRECT descriptor for path, or -1 where the filesystem refuses it
+    (tmpfs on older kernels, ramfs, some FUSE and network filesystems).
+
+    same_as: a descriptor already open on path. The second descriptor must
+    reach the same file: a symlink or another file planted at the name in
+    between is refused, never written through."""
+    try:
+        injected = _engine.injected_open_error()
+        if injected is not None:
+            raise injected
+        fd = os.open(path, flags | os.O_DIRECT | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        log.debug("fastpersist: %s refuses O_DIRECT; using buffered I/O", path)
+        return -1
+    if same_as >= 0 and not same_file(os.fstat(fd), os.fstat(same_as)):
+        os.close(fd)
+        raise OSError(errno.EEXIST, "the file was replaced while fastpersist opened it", path)
+    return fd
+
+
+def same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+@contextlib.contextmanager
+def reading_engine(path: str, options: Options):
+    """An engine from the pool and an O_DIRECT descriptor for path (-1 where
+    refused or not wanted), returned to the pool and closed afterwards."""
+    direct_fd = open_direct(path, os.O_RDONLY) if options.direct else -1
+    try:
+        engine = _engine.acquire(options)
+        try:
+            yield engine, direct_fd
+        finally:
+            _engine.release(engine)
+    finally:
+        if direct_fd >= 0:
+            os.close(direct_fd)
+
+
+def read_extents(engine: _engine.Engine, direct_fd: int, fd: int, path: str, extents, checksums: bool) -> dict:
+    """Reads (address, offset, nbytes) extents of the file into memory, in as
+    few passes as non-overlapping batches allow (tied tensors share file
+    bytes). Returns {(offset, nbytes): crc} with checksums, else {}; raises
+    EOFError where the file ended early."""
+    crcs = {}
+    pending = sorted((e for e in extents if e[2]), key=lambda e: (e[1], e[2]))
+    while pending:
+        batch, rest, end = [], [], -1
+        for e in pending:
+            if e[1] >= end:
+                batch.append(e)
+                end = e[1] + e[2]
+            else:
+                rest.append(e)
+        copied, sums = engine.read_extents(direct_fd, fd, batch, path, checksums=checksums)
+        if copied != sum(e[2] for e in batch):
+            raise EOFError(path)
+        if checksums:
+            crcs.update(((e[1], e[2]), c) for e, c in zip(batch, sums))
+        pending = rest
+    return crcs
