@@ -1,5 +1,6 @@
 """The torch checkpoint format, in one place: the zip layout torch.save
-produces (miniz with torch's padding rules), written as a stream.
+produces (miniz with torch's padding rules), planned whole before a byte is
+written (CheckpointPlan), then written (write_plan); and its reading.
 
 A torch checkpoint is a zip archive of stored (uncompressed) records named
 ``<archive>/...``. Each record has a local header whose "FB" extra field pads
@@ -129,8 +130,9 @@ class ZipLayout:
         return record, header
 
     @staticmethod
-    def descriptor(record: RecordLayout, crc: int) -> bytes:
-        record.crc = crc
+    def descriptor(record: RecordLayout) -> bytes:
+        """The data descriptor after the record's data, with its CRC as set now."""
+        crc = record.crc
         if not record.size:
             return b""
         if record.zip64:
@@ -138,7 +140,9 @@ class ZipLayout:
         return struct.pack("<IIII", 0x08074B50, crc, record.size, record.size)
 
     def central_directory(self) -> bytes:
-        """Central directory and end records, for the records placed so far."""
+        """Central directory and end records for the records placed so far,
+        starting at the cursor (which it leaves where it is). Its length
+        depends on names, sizes and offsets only, not on the CRCs."""
         cd_offset = self.cursor
         parts = []
         for r in self.records:
@@ -169,84 +173,132 @@ class ZipLayout:
             "<IHHHHIIH", 0x06054B50, 0, 0, min(count, 0xFFFF), min(count, 0xFFFF),
             min(len(cd), _U32_LIMIT), min(cd_offset, _U32_LIMIT), 0,
         )
-        self.cursor += len(cd) + len(zip64_end) + len(locator) + len(end)
         return cd + zip64_end + locator + end
 
 
-class TorchZipWriter:
+@dataclass
+class RecordSource:
+    """What one record holds: bytes, a CPU storage (its memory, not a copy),
+    or neither: space reserved by skip_data, written as zeros with CRC 0."""
+
+    name: str  # without the archive prefix
+    nbytes: int
+    data: Optional[bytes] = None
+    storage: object = None  # torch.UntypedStorage
+
+
+class RecordingZipWriter:
     """Stands in for ``torch._C.PyTorchFileWriter`` inside
-    ``torch.serialization._save``: every record is laid out by ZipLayout and
-    streamed to ``sink`` as it arrives, storages straight from their memory.
+    ``torch.serialization._save`` and records what torch hands it, writing
+    nothing, so the whole archive can be planned before a byte is written.
+    (torch copies a device storage to the CPU before handing it over.)"""
 
-    ``sink`` needs ``write(bytes)``, ``write_address(address, nbytes, crc)``
-    (returns the updated CRC when crc is not None) and ``write_zeros(nbytes)``.
-    """
+    def __init__(self):
+        self.records: list[RecordSource] = []
 
-    def __init__(self, sink, archive_name: str, alignment: int, compute_crc32: bool, start: int = 0):
-        self.sink = sink
-        self.layout = ZipLayout(archive_name, alignment, start)
-        self.compute_crc32 = compute_crc32
-        self.finished = False
-
-    # -- the PyTorchFileWriter methods torch.serialization._save calls ------
     def write_record(self, name: str, data, nbytes: int) -> None:
         import torch
 
+        if isinstance(data, (torch.UntypedStorage, torch.TypedStorage)):
+            storage = data.untyped() if isinstance(data, torch.TypedStorage) else data
+            self.records.append(RecordSource(name, nbytes, storage=storage))
+            return
         if isinstance(data, str):
             data = data.encode("utf-8")
-        if isinstance(data, (torch.UntypedStorage, torch.TypedStorage)):
-            self._write_storage(name, data.untyped() if isinstance(data, torch.TypedStorage) else data, nbytes)
-            return
-        data = memoryview(data).cast("B")[:nbytes]
-        record, header = self.layout.add(name, nbytes)
-        crc = zlib.crc32(data) if self.compute_crc32 else 0
-        self.sink.write(header)
-        self.sink.write(data)
-        self.sink.write(ZipLayout.descriptor(record, crc))
+        self.records.append(RecordSource(name, nbytes, data=bytes(memoryview(data).cast("B")[:nbytes])))
 
     def write_record_metadata(self, name: str, nbytes: int) -> None:
-        """skip_data: the record's space is reserved (zeros), its CRC is 0."""
-        record, header = self.layout.add(name, nbytes)
-        self.sink.write(header)
-        self.sink.write_zeros(nbytes)
-        self.sink.write(ZipLayout.descriptor(record, 0))
+        self.records.append(RecordSource(name, nbytes))
 
-    def _write_storage(self, name: str, storage, nbytes: int) -> None:
-        if storage.device.type != "cpu":  # torch's _save moves storages to the CPU first
-            storage = storage.cpu()
-        record, header = self.layout.add(name, nbytes)
-        self.sink.write(header)
-        crc = 0
-        if nbytes:
-            result = self.sink.write_address(storage.data_ptr(), nbytes, 0 if self.compute_crc32 else None)
-            crc = result if self.compute_crc32 else 0
-        self.sink.write(ZipLayout.descriptor(record, crc))
 
-    # -- end of archive -----------------------------------------------------
-    def finish(self, serialization_id: Optional[str] = None) -> int:
-        """Writes the records torch adds at the end and the central directory;
-        returns the archive's size."""
-        self.write_record("version", produced_format_version(), len(produced_format_version()))
-        if not any(r.name == self.layout.prefix + "byteorder" for r in self.layout.records):
-            # torch's writer adds it even under _disable_byteorder_record
-            self.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+@dataclass
+class PlannedRecord:
+    source: RecordSource
+    layout: RecordLayout
+    header: bytes  # local header, padding included
+
+
+class CheckpointPlan:
+    """A whole checkpoint laid out before a byte is written: every record's
+    header, data offset and size, where the central directory starts and how
+    long the file is. The CRC-32s of byte records are known at once; those of
+    storages once their bytes have been written (``set_crc``).
+
+    Build one with :meth:`of` (torch's own pickling of an object) or from
+    record sources directly."""
+
+    def __init__(self, archive_name: str, sources: list, alignment: int, compute_crc32: bool, start: int = 0):
+        self.compute_crc32 = compute_crc32
+        self._layout = ZipLayout(archive_name, alignment, start)
+        self.records = [PlannedRecord(src, *self._layout.add(src.name, src.nbytes)) for src in sources]
+        for r in self.records:
+            if r.source.data is not None and compute_crc32:
+                r.layout.crc = zlib.crc32(r.source.data)
+        self.central_directory_offset = self._layout.cursor
+        self.size = self.central_directory_offset + len(self._layout.central_directory())
+
+    @classmethod
+    def of(cls, obj, archive_name: str, pickle_module, pickle_protocol: int, disable_byteorder_record: bool,
+           serialization_id: Optional[str] = None, start: int = 0) -> "CheckpointPlan":
+        """Runs torch's own pickling (``torch.serialization._save``) and plans
+        the archive torch.save would write: the same records in the same order."""
+        from ._torch_api import pickle_into, save_settings
+
+        compute_crc32, alignment = save_settings()
+        recorder = RecordingZipWriter()
+        pickle_into(obj, recorder, pickle_module, pickle_protocol, disable_byteorder_record)
+        # records torch's zip writer adds when it closes the archive
+        version = produced_format_version()
+        recorder.write_record("version", version, len(version))
+        if not any(r.name == "byteorder" for r in recorder.records):
+            recorder.write_record("byteorder", sys.byteorder, len(sys.byteorder))  # even when disabled
         sid = (serialization_id or new_serialization_id()).encode("ascii")
-        self.write_record(".data/serialization_id", sid, len(sid))
-        self.sink.write(self.layout.central_directory())
-        self.finished = True
-        return self.layout.cursor
+        recorder.write_record(".data/serialization_id", sid, len(sid))
+        return cls(archive_name, recorder.records, alignment, compute_crc32, start)
+
+    def set_crc(self, record: PlannedRecord, crc: int) -> None:
+        record.layout.crc = crc if self.compute_crc32 else 0
+
+    def descriptor(self, record: PlannedRecord) -> bytes:
+        return ZipLayout.descriptor(record.layout)
+
+    def central_directory(self) -> bytes:
+        """Central directory and end records, with the CRCs as set now."""
+        return self._layout.central_directory()
+
+
+def write_plan(plan: CheckpointPlan, sink) -> int:
+    """Writes a planned checkpoint to ``sink`` in file order, storages
+    straight from their memory with their CRC-32 computed while copying;
+    returns the archive's size. ``sink`` needs ``write(bytes)``,
+    ``write_address(address, nbytes, crc)`` (returns the updated CRC when crc
+    is not None) and ``write_zeros(nbytes)``."""
+    for r in plan.records:
+        src = r.source
+        sink.write(r.header)
+        if src.data is not None:
+            sink.write(src.data)
+        elif src.storage is not None:
+            storage = src.storage
+            if storage.device.type != "cpu":  # torch's _save hands over CPU storages; be safe
+                storage = storage.cpu()
+            if src.nbytes:
+                crc = sink.write_address(storage.data_ptr(), src.nbytes, 0 if plan.compute_crc32 else None)
+                plan.set_crc(r, crc or 0)
+        else:
+            sink.write_zeros(src.nbytes)
+        sink.write(plan.descriptor(r))
+    sink.write(plan.central_directory())
+    return plan.size
 
 
 def save_records(obj, sink, archive_name: str, pickle_module, pickle_protocol: int,
                  disable_byteorder_record: bool, start: int = 0) -> int:
-    """Runs torch's own pickling (``torch.serialization._save``) with a
-    TorchZipWriter over ``sink``; returns the archive size."""
-    from ._torch_api import pickle_into, save_settings
-
-    compute_crc32, alignment = save_settings()
-    writer = TorchZipWriter(sink, archive_name, alignment, compute_crc32, start)
-    pickle_into(obj, writer, pickle_module, pickle_protocol, disable_byteorder_record)
-    return writer.finish()
+    """Plans obj's checkpoint with torch's own pickling and writes it to
+    ``sink``; returns the archive size."""
+    plan = CheckpointPlan.of(obj, archive_name, pickle_module, pickle_protocol, disable_byteorder_record,
+                             start=start)
+    return write_plan(plan, sink)
 
 
 # ---------------------------------------------------------------------------
@@ -868,11 +920,15 @@ __all__ = [
     "CheckpointError",
     "RecordEntry",
     "TorchArchiveReader",
+    "CheckpointPlan",
+    "PlannedRecord",
     "RecordLayout",
-    "TorchZipWriter",
+    "RecordSource",
+    "RecordingZipWriter",
     "ZipLayout",
     "archive_name_for",
     "new_serialization_id",
     "produced_format_version",
     "save_records",
+    "write_plan",
 ]

@@ -180,13 +180,17 @@ def test_zip64_layout_past_4_gib(folder):
     against torch.save on a real 4 GiB tensor during development)."""
     big = (1 << 32) + 100
     path = folder / "big.pt"
+    recorder = torch_format.RecordingZipWriter()
+    recorder.write_record("data.pkl", b"\x80\x02}q\x00.", 6)
+    recorder.write_record_metadata("data/0", big)
+    recorder.write_record_metadata("data/1", 40)
+    recorder.write_record("version", b"3\n", 2)
+    plan = torch_format.CheckpointPlan("big", recorder.records, 64, compute_crc32=False)
+    assert plan.records[2].layout.header_offset > 0xFFFFFFFF  # the layout is known before writing
     with open(path, "wb") as f:
-        writer = torch_format.TorchZipWriter(SparseSink(f), "big", 64, compute_crc32=False)
-        writer.write_record("data.pkl", b"\x80\x02}q\x00.", 6)
-        writer.write_record_metadata("data/0", big)
-        writer.write_record_metadata("data/1", 40)
-        size = writer.finish()
+        size = torch_format.write_plan(plan, SparseSink(f))
         f.truncate(size)
+    assert size == plan.size == os.path.getsize(path)
     with zipfile.ZipFile(path) as z:
         infos = {i.filename: i for i in z.infolist()}
     assert infos["big/data/0"].file_size == big
