@@ -5,6 +5,7 @@ Files stay standard torch checkpoints that any ``torch.load`` reads.
 """
 import os
 
+from .async_save import SaveHandle, save_async
 from .load import IncompatibleKeys, load, load_into
 from .options import Options
 from .patching import is_patched, patch, unpatch
@@ -13,8 +14,8 @@ from .torch_format import CheckpointError
 from .writer import FastFileWriter
 
 __version__ = "0.1.0"
-__all__ = ["CheckpointError", "FastFileWriter", "IncompatibleKeys", "Options", "is_patched", "load", "load_into",
-           "patch", "save", "unpatch", "__version__"]
+__all__ = ["CheckpointError", "FastFileWriter", "IncompatibleKeys", "Options", "SaveHandle", "is_patched", "load",
+           "load_into", "patch", "save", "save_async", "unpatch", "__version__"]
 
 
 

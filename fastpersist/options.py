@@ -29,6 +29,11 @@ class Options:
     max_engines: engines (each with buffer_size * num_buffers of buffers) alive
         at once per configuration in one process; more concurrent saves and
         loads wait for a free one.
+    snapshot_memory: bytes of host memory save_async may hold for snapshots
+        of tensors, kept for reuse from save to save; 0 (the default) means
+        half of the machine's memory. A save_async that needs more than is
+        free waits for earlier saves to finish; one that needs more than the
+        whole bound is refused.
     """
 
     engine: str = "auto"
@@ -41,6 +46,7 @@ class Options:
     atomic: bool = True
     lock_memory: bool = True
     max_engines: int = 4
+    snapshot_memory: int = 0
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -52,6 +58,9 @@ class Options:
                                  "at most 1 GiB")
         if not isinstance(self.num_buffers, int) or not 2 <= self.num_buffers <= 64:
             raise ValueError(f"fastpersist option num_buffers={self.num_buffers!r}: expected 2..64")
+        if not isinstance(self.snapshot_memory, int) or self.snapshot_memory < 0:
+            raise ValueError(f"fastpersist option snapshot_memory={self.snapshot_memory!r}: expected bytes >= 0 "
+                             "(0: half of the machine's memory)")
         if not isinstance(self.max_engines, int) or self.max_engines < 1:
             raise ValueError(f"fastpersist option max_engines={self.max_engines!r}: expected an integer >= 1")
         if not isinstance(self.queue_depth, int) or not 1 <= self.queue_depth <= 4096:

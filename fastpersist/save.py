@@ -72,7 +72,17 @@ def _not_accelerated_because(f, pickle_module, use_new_zipfile: bool) -> Optiona
 def save_to_path(obj, path: str, opts: Options, pickle_module=pickle, pickle_protocol: int = DEFAULT_PROTOCOL,
                  disable_byteorder_record: bool = False) -> int:
     """Writes obj as a torch checkpoint at path; returns its size in bytes."""
-    archive = torch_format.archive_name_for(path)
+    from .async_save import wait_for_saves_to
+
+    wait_for_saves_to(path)  # an earlier save_async to this file lands first, never over this one
+    plan = torch_format.CheckpointPlan.of(obj, torch_format.archive_name_for(path), pickle_module,
+                                          pickle_protocol, disable_byteorder_record)
+    return write_plan_to_path(plan, path, opts)
+
+
+def write_plan_to_path(plan: torch_format.CheckpointPlan, path: str, opts: Options) -> int:
+    """Writes a planned checkpoint at path, atomically and durably as opts say;
+    returns its size in bytes."""
     target = os.path.realpath(path)  # torch.save writes through symlinks
     folder = os.path.dirname(target)
     remove_stale_temporaries(folder)
@@ -87,8 +97,7 @@ def save_to_path(obj, path: str, opts: Options, pickle_module=pickle, pickle_pro
         raise OSError(exc.errno, f"{exc.strerror} (fastpersist: creating a file in {folder})", path) from exc
     write_path = temporary.path if temporary else target
     try:
-        size = torch_format.save_records(obj, writer, archive, pickle_module, pickle_protocol,
-                                         disable_byteorder_record)
+        size = torch_format.write_plan(plan, writer)
         writer.close()  # waits for every write; fsyncs the file with opts.fsync
         if temporary:
             _keep_mode_of(target, temporary.path)

@@ -184,7 +184,7 @@ class RecordSource:
     name: str  # without the archive prefix
     nbytes: int
     data: Optional[bytes] = None
-    storage: object = None  # torch.UntypedStorage
+    storage: object = None  # a torch.UntypedStorage, or a uint8 tensor (a snapshot's slice)
 
 
 class RecordingZipWriter:
@@ -290,15 +290,6 @@ def write_plan(plan: CheckpointPlan, sink) -> int:
         sink.write(plan.descriptor(r))
     sink.write(plan.central_directory())
     return plan.size
-
-
-def save_records(obj, sink, archive_name: str, pickle_module, pickle_protocol: int,
-                 disable_byteorder_record: bool, start: int = 0) -> int:
-    """Plans obj's checkpoint with torch's own pickling and writes it to
-    ``sink``; returns the archive size."""
-    plan = CheckpointPlan.of(obj, archive_name, pickle_module, pickle_protocol, disable_byteorder_record,
-                             start=start)
-    return write_plan(plan, sink)
 
 
 # ---------------------------------------------------------------------------
@@ -929,6 +920,5 @@ __all__ = [
     "archive_name_for",
     "new_serialization_id",
     "produced_format_version",
-    "save_records",
     "write_plan",
 ]

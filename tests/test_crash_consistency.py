@@ -237,35 +237,45 @@ def test_temporary_locked_by_another_process_is_kept_then_removed(folder):
 
 
 class _Gate:
-    """Pickles as 7, after waiting for the test to let it go."""
+    """Holds the saving thread's write of the planned checkpoint (its
+    temporary exists and is locked by then) until the test lets it go."""
 
     def __init__(self):
         self.entered = threading.Event()
         self.release = threading.Event()
+        self.thread = None
 
-    def __reduce__(self):
-        self.entered.set()
-        if not self.release.wait(60):
-            raise TimeoutError("the test never released the gate")
-        return (int, (7,))
+    def install(self, monkeypatch):
+        torch_format = importlib.import_module("fastpersist.torch_format")
+        real = torch_format.write_plan
+
+        def gated(plan, sink):
+            if threading.current_thread() is self.thread:
+                self.entered.set()
+                if not self.release.wait(60):
+                    raise TimeoutError("the test never released the gate")
+            return real(plan, sink)
+
+        monkeypatch.setattr(torch_format, "write_plan", gated)
 
 
-def test_temporary_of_another_threads_open_save_is_kept(folder, engine):
+def test_temporary_of_another_threads_open_save_is_kept(folder, engine, monkeypatch):
     dest = folder / "ckpt.pt"
     gate = _Gate()
+    gate.install(monkeypatch)
     tensor = torch.arange(300_000, dtype=torch.float32)
     errors = []
 
     def saver():
         try:
-            fastpersist.save({"gate": gate, "t": tensor}, dest, engine=engine)
+            fastpersist.save({"gate": 7, "t": tensor}, dest, engine=engine)
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
 
-    thread = threading.Thread(target=saver, daemon=True)
+    thread = gate.thread = threading.Thread(target=saver, daemon=True)
     thread.start()
     try:
-        assert gate.entered.wait(30), f"the save never reached pickling: {errors}"
+        assert gate.entered.wait(30), f"the save never reached writing: {errors}"
         temps = _temporaries(folder)
         assert len(temps) == 1, temps
         temp = folder / temps[0]

@@ -1,0 +1,305 @@
+"""fastpersist.save_async: a checkpoint snapshotted into host memory that
+fastpersist owns, then written in the background while training goes on.
+
+The calling thread pickles the object (torch's own pickling) and plans the
+archive, then copies every storage's bytes into snapshot memory; from then on
+the caller may change its tensors freely. One background thread writes the
+planned checkpoints in submission order, each exactly as fastpersist.save
+does (temporary file, fsync, rename, folder fsync). Snapshot memory is kept
+and reused from save to save, because touching fresh memory costs more than
+the copy itself; it is bounded by the snapshot_memory option.
+"""
+from __future__ import annotations
+
+import atexit
+import importlib
+import logging
+import mmap
+import os
+import pickle
+import queue
+import sys
+import threading
+from typing import Optional
+
+from . import _torch_api, torch_format
+from .options import Options, current_options
+
+log = logging.getLogger("fastpersist")
+
+_ALIGN = 64  # each storage's copy starts on a cache line
+_ARENA_STEP = 64 << 20  # arenas grow in these steps, so checkpoints of similar sizes reuse one
+
+
+class SaveHandle:
+    """The future of one save_async: ``wait()``, ``done()``, ``result()``."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._event = threading.Event()
+        self._size: Optional[int] = None
+        self._error: Optional[BaseException] = None
+        self._observed = False  # someone called wait() or result(): they saw any error
+
+    def done(self) -> bool:
+        """True once the checkpoint is durable at its path, or the save failed."""
+        return self._event.is_set()
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Blocks until the save has finished; raises what the background write raised."""
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"fastpersist: the save of {self.path} has not finished within {timeout} s")
+        self._observed = True
+        if self._error is not None:
+            raise self._error
+
+    def result(self, timeout: Optional[float] = None) -> int:
+        """Waits, then returns the checkpoint's size in bytes."""
+        self.wait(timeout)
+        return self._size
+
+    def _finish(self, size: Optional[int] = None, error: Optional[BaseException] = None) -> None:
+        self._size, self._error = size, error
+        self._event.set()
+
+    def __repr__(self) -> str:
+        state = "pending" if not self.done() else ("failed" if self._error else "done")
+        return f"<fastpersist.SaveHandle {self.path!r} {state}>"
+
+
+# ---------------------------------------------------------------------------
+# snapshot memory
+
+
+class _Arena:
+    """One anonymous mapping that snapshots are copied into."""
+
+    def __init__(self, size: int):
+        import torch
+
+        self.size = size
+        self.memory = mmap.mmap(-1, size)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            self.memory.madvise(mmap.MADV_HUGEPAGE)  # cheaper first touch, fewer TLB misses in the copy
+        self.bytes = torch.frombuffer(self.memory, dtype=torch.uint8)
+
+
+class _SnapshotMemory:
+    """Arenas kept for reuse, at most `limit` bytes of them in all."""
+
+    def __init__(self):
+        self.lock = threading.Condition()
+        self.free: list[_Arena] = []
+        self.total = 0  # bytes of arenas, free or in use
+
+    def take(self, nbytes: int, limit: int) -> _Arena:
+        if nbytes > limit:
+            raise ValueError(f"fastpersist save_async: the checkpoint's tensors need {nbytes} bytes of snapshot "
+                             f"memory, more than snapshot_memory={limit}; raise that option or use "
+                             "fastpersist.save")
+        size = -(-nbytes // _ARENA_STEP) * _ARENA_STEP
+        with self.lock:
+            while True:
+                fitting = [a for a in self.free if a.size >= nbytes]
+                if fitting:
+                    arena = min(fitting, key=lambda a: a.size)
+                    self.free.remove(arena)
+                    return arena
+                while self.free and self.total + size > limit:  # too small to reuse: make room
+                    self.total -= self.free.pop().size
+                if self.total + min(size, limit) <= limit:
+                    size = min(size, limit)
+                    self.total += size
+                    break
+                self.lock.wait()  # earlier saves hold the memory: wait for one to finish
+        try:
+            return _Arena(size)
+        except BaseException:
+            with self.lock:
+                self.total -= size
+                self.lock.notify_all()
+            raise
+
+    def give_back(self, arena: _Arena) -> None:
+        with self.lock:
+            self.free.append(arena)
+            self.lock.notify_all()
+
+    def clear(self) -> None:
+        """Frees the arenas not in use."""
+        with self.lock:
+            self.total -= sum(a.size for a in self.free)
+            self.free.clear()
+
+
+def _memory_limit(opts: Options) -> int:
+    if opts.snapshot_memory:
+        return opts.snapshot_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
+
+def _snapshot(plan: torch_format.CheckpointPlan, arena_source: "_SnapshotMemory", limit: int):
+    """Copies every storage of the plan into snapshot memory and points the
+    plan at the copies; returns the arena (or None: no tensor data)."""
+    import torch
+
+    records = [r for r in plan.records if r.source.storage is not None and r.source.nbytes]
+    if not records:
+        return None
+    need = sum(-(-r.source.nbytes // _ALIGN) * _ALIGN for r in records)
+    arena = arena_source.take(need, limit)
+    try:
+        offset = 0
+        with torch.no_grad():
+            for r in records:
+                n = r.source.nbytes
+                source = torch.empty(0, dtype=torch.uint8).set_(r.source.storage)[:n]
+                copy = arena.bytes[offset:offset + n]
+                copy.copy_(source)
+                r.source.storage = copy  # the plan now writes from fastpersist's copy
+                offset += -(-n // _ALIGN) * _ALIGN
+    except BaseException:
+        arena_source.give_back(arena)
+        raise
+    return arena
+
+
+# ---------------------------------------------------------------------------
+# the background writer
+
+
+class _Job:
+    def __init__(self, plan, path: str, opts: Options, arena, handle: SaveHandle):
+        self.plan, self.path, self.opts, self.arena, self.handle = plan, path, opts, arena, handle
+        self.target = os.path.realpath(path)
+
+
+class _Writer:
+    """One thread writing queued checkpoints in submission order."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.jobs: "queue.SimpleQueue[_Job]" = queue.SimpleQueue()
+        self.pending: list[_Job] = []  # submitted, not finished, in order
+        self.thread: Optional[threading.Thread] = None
+        self.memory = _SnapshotMemory()
+        self.unobserved_failures: list[SaveHandle] = []
+
+    def submit(self, job: _Job) -> None:
+        with self.lock:
+            self.pending.append(job)
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="fastpersist-save-async", daemon=True)
+                self.thread.start()
+        self.jobs.put(job)
+
+    def _run(self) -> None:
+        save = importlib.import_module(".save", __package__)  # the module; fastpersist.save is the function
+
+        while True:
+            job = self.jobs.get()
+            size, error = None, None
+            try:
+                size = save.write_plan_to_path(job.plan, job.path, job.opts)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller through wait()
+                error = exc
+                log.error("fastpersist: the background save of %s failed: %s", job.path, exc)
+            finally:
+                if job.arena is not None:
+                    self.memory.give_back(job.arena)
+                job.plan = job.arena = None
+                with self.lock:
+                    self.pending.remove(job)
+                    if error is not None:
+                        self.unobserved_failures.append(job.handle)
+            job.handle._finish(size, error)
+
+    def unfinished(self, target: Optional[str] = None) -> list[SaveHandle]:
+        with self.lock:
+            return [j.handle for j in self.pending if target is None or j.target == target]
+
+
+_writer = _Writer()
+
+
+def save_async(obj, f, pickle_module=pickle, pickle_protocol: int = _torch_api.DEFAULT_PROTOCOL,
+               _disable_byteorder_record: bool = False, **options) -> SaveHandle:
+    """Saves ``obj`` to the path ``f`` like :func:`fastpersist.save`, in the
+    background; returns a :class:`SaveHandle` once the tensors are copied.
+
+    Returns after torch's pickling and one copy of every tensor's bytes into
+    host memory that fastpersist owns (kept and reused from save to save,
+    bounded by the ``snapshot_memory`` option): changing the tensors
+    afterwards does not change the checkpoint. The file is written by one
+    background thread, saves in submission order, each atomic and durable
+    like ``fastpersist.save``'s. A later ``fastpersist.save`` to the same path
+    waits for the earlier ones. Errors are raised by ``handle.wait()`` (and
+    logged); at interpreter exit, unfinished saves are waited for and
+    failures nobody waited for are reported on stderr.
+    """
+    from .save import _not_accelerated_because
+
+    opts = current_options().replace(**options)
+    reason = _not_accelerated_because(f, pickle_module, True)
+    if reason:
+        raise TypeError(f"fastpersist.save_async writes checkpoints to paths; {f!r}: {reason}")
+    path = os.fspath(f)
+    _torch_api.log_api_usage("torch.save")
+    _torch_api.check_dill_version(pickle_module)
+    plan = torch_format.CheckpointPlan.of(obj, torch_format.archive_name_for(path), pickle_module,
+                                          pickle_protocol, _disable_byteorder_record)
+    arena = _snapshot(plan, _writer.memory, _memory_limit(opts))
+    handle = SaveHandle(path)
+    _writer.submit(_Job(plan, path, opts, arena, handle))
+    return handle
+
+
+def wait_for_saves_to(path: str) -> None:
+    """Waits for unfinished save_async calls to path (their errors stay theirs)."""
+    target = os.path.realpath(path)
+    for handle in _writer.unfinished(target):
+        handle._event.wait()
+
+
+def wait_for_all() -> None:
+    """Waits for every unfinished save_async of this process."""
+    for handle in _writer.unfinished():
+        handle._event.wait()
+
+
+def release_snapshot_memory() -> None:
+    """Frees the snapshot memory that no unfinished save holds."""
+    _writer.memory.clear()
+
+
+def _at_exit() -> None:
+    unfinished = _writer.unfinished()
+    if unfinished:
+        print(f"fastpersist: waiting for {len(unfinished)} checkpoint save(s) to finish before exit: "
+              + ", ".join(h.path for h in unfinished), file=sys.stderr, flush=True)
+        wait_for_all()
+    with _writer.lock:
+        failed = [h for h in _writer.unobserved_failures if not h._observed]
+    for handle in failed:
+        print(f"fastpersist: ERROR: the background save of {handle.path} failed and nobody called wait(): "
+              f"{type(handle._error).__name__}: {handle._error}", file=sys.stderr, flush=True)
+
+
+def _forget_in_child() -> None:
+    """After fork, in the child: the parent's background writer does not
+    exist here and its saves are the parent's to finish; start afresh.
+    Handles of the parent's unfinished saves fail in the child instead of
+    blocking forever."""
+    global _writer
+    parent = _writer
+    _writer = _Writer()
+    for job in parent.pending:
+        job.handle._finish(error=RuntimeError(
+            f"fastpersist: the save of {job.path} belongs to process {os.getppid()}, which forked this "
+            "one; it finishes there, not here"))
+
+
+atexit.register(_at_exit)
+os.register_at_fork(after_in_child=_forget_in_child)
+
+__all__ = ["SaveHandle", "release_snapshot_memory", "save_async", "wait_for_all"]
