@@ -38,6 +38,34 @@ uint32_t fp_crc32(uint32_t crc, const void *buf, size_t n)
 #endif
 }
 
+/* CRC-32 combination. A CRC is a remainder modulo the CRC polynomial P, so
+ * crc(A.B) = crc(A) * x^(8*len(B)) + crc(B) (mod P), in bit-reflected form.
+ * x^(8*len) is built from x^(2^k) by repeated squaring. */
+#define FP_CRC_POLY 0xedb88320u
+
+static uint32_t mul_mod_p(uint32_t a, uint32_t b)
+{
+    uint32_t product = 0;
+    for (uint32_t bit = 1u << 31; bit; bit >>= 1) { /* reflected: x^0 is the top bit */
+        if (a & bit)
+            product ^= b;
+        b = (b & 1) ? (b >> 1) ^ FP_CRC_POLY : b >> 1; /* b *= x */
+    }
+    return product;
+}
+
+uint32_t fp_crc32_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b)
+{
+    uint32_t power = 1u << 30;  /* x^1, squared to x^(2^k) as k rises */
+    uint32_t shift = 1u << 31;  /* x^0 */
+    for (uint64_t bits = len_b * 8; bits; bits >>= 1) {
+        if (bits & 1)
+            shift = mul_mod_p(power, shift);
+        power = mul_mod_p(power, power);
+    }
+    return mul_mod_p(shift, crc_a) ^ crc_b;
+}
+
 int fp_kind_compiled(int kind)
 {
     switch (kind) {

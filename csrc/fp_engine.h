@@ -156,5 +156,8 @@ int64_t fp_read_extents(struct fp_engine *e, int direct_fd, int buffered_fd,
 
 /* CRC-32 as zlib computes it, with the fastest implementation built in. */
 uint32_t fp_crc32(uint32_t crc, const void *buf, size_t n);
+/* The CRC-32 of A followed by B, from crc_a, crc_b and B's length: how the
+ * CRCs of a record's pieces, computed apart (by several ranks), combine. */
+uint32_t fp_crc32_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
 
 #endif

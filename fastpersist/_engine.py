@@ -57,6 +57,12 @@ def crc32(data, crc: int = 0) -> int:
     return lib.fp_crc32(crc, buf, len(buf))
 
 
+def crc32_combine(crc_a: int, crc_b: int, len_b: int) -> int:
+    """CRC-32 of A followed by B from the CRC-32s of A and B and B's length."""
+    lib, _ = _load()
+    return lib.fp_crc32_combine(crc_a, crc_b, len_b)
+
+
 class Engine:
     """One I/O context: a ring (or AIO context) and its bounce buffers."""
 

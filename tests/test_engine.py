@@ -380,3 +380,10 @@ def test_pool_bounds_live_engines_and_waits_for_a_free_one():
     _engine.release(e)
     _engine.clear_pool()
     assert _engine.pool_size() == 0
+
+
+@pytest.mark.parametrize("sizes", [(0, 0), (1, 0), (0, 1), (3, 5), (4096, 70_001), (1 << 20, 12_345)])
+def test_crc32_combine_matches_the_crc_of_the_concatenation(sizes):
+    pieces = [PAYLOAD[:sizes[0]].tobytes(), PAYLOAD[-sizes[1]:].tobytes() if sizes[1] else b""]
+    combined = _engine.crc32_combine(zlib.crc32(pieces[0]), zlib.crc32(pieces[1]), len(pieces[1]))
+    assert combined == zlib.crc32(pieces[0] + pieces[1])
