@@ -24,7 +24,7 @@ DEFAULT_PROTOCOL = _torch_api.DEFAULT_PROTOCOL
 
 def save(obj, f, pickle_module=pickle, pickle_protocol: int = DEFAULT_PROTOCOL,
          _use_new_zipfile_serialization: bool = True, _disable_byteorder_record: bool = False,
-         **options) -> None:
+         *, group=None, **options) -> None:
     """Saves ``obj`` like ``torch.save(obj, f, ...)``, in the same format.
 
     When ``f`` is a path, the checkpoint is streamed through fastpersist's
@@ -33,11 +33,27 @@ def save(obj, f, pickle_module=pickle, pickle_protocol: int = DEFAULT_PROTOCOL,
     targets (file objects, buffers) and ``_use_new_zipfile_serialization=False``
     go to the original ``torch.save``.
 
+    ``group`` (a torch.distributed process group, or ``torch.distributed.group.WORLD``):
+    every rank of it calls save with the same state, and each writes a
+    disjoint, balanced share of the one file (see fastpersist.distributed);
+    a failure on any rank fails the save on every rank.
+
     Keyword options (see :class:`fastpersist.Options`) override those of
     ``fastpersist.patch()`` and the ``FASTPERSIST_*`` environment variables.
     """
     opts = current_options().replace(**options)
     reason = _not_accelerated_because(f, pickle_module, _use_new_zipfile_serialization)
+    if group is not None:
+        if reason:
+            raise TypeError(f"fastpersist.save(group=...) writes checkpoints to paths; {f!r}: {reason}")
+        from .async_save import wait_for_saves_to
+        from .distributed import save_partitioned
+
+        _torch_api.log_api_usage("torch.save")
+        _torch_api.check_dill_version(pickle_module)
+        wait_for_saves_to(os.fspath(f))
+        save_partitioned(obj, os.fspath(f), group, opts, pickle_module, pickle_protocol, _disable_byteorder_record)
+        return
     if reason:
         log.debug("fastpersist: torch.save to %r goes to the original torch.save: %s", f, reason)
         return _torch_api.original_save()(obj, f, pickle_module, pickle_protocol,
@@ -140,13 +156,15 @@ class _Temporary:
         self.in_place = False  # renamed over the destination
 
     @classmethod
-    def create(cls, folder: str, name: str, opts: Options) -> "_Temporary":
+    def create(cls, folder: str, name: str, opts: Options, sole_writer: bool = True) -> "_Temporary":
+        """A new, locked temporary beside the destination and a writer of it
+        from offset 0 (the file's only writer unless sole_writer=False)."""
         for _ in range(16):
             path = os.path.join(folder, f".{name}.fastpersist-{secrets.token_hex(8)}.tmp")
             _writing.add(path)
             try:
                 # O_EXCL: never an existing file, never through a symlink planted at the name
-                writer = FastFileWriter(path, exclusive=True, sole_writer=True, options=opts)
+                writer = FastFileWriter(path, exclusive=True, sole_writer=sole_writer, options=opts)
             except FileExistsError:
                 _writing.discard(path)
                 continue

@@ -24,7 +24,8 @@ class FastFileWriter(io.RawIOBase):
     for every write and, with the ``fsync`` option, makes the file durable.
 
     ``exclusive=True`` creates the file and fails if it exists (or if a
-    symlink lies at the name); ``truncate=True`` empties an existing file first.
+    symlink lies at the name); ``truncate=True`` empties an existing file
+    first; ``create=False`` fails unless the file exists.
 
     ``sole_writer=True`` declares that no other writer touches the file while
     this one is open: the writer then extends the file ahead of its writes
@@ -37,13 +38,14 @@ class FastFileWriter(io.RawIOBase):
     PREALLOCATE_STEP = 256 << 20
 
     def __init__(self, path, offset: int = 0, *, truncate: bool = False, exclusive: bool = False,
-                 sole_writer: bool = False, options: Optional[Options] = None, **overrides):
+                 sole_writer: bool = False, create: bool = True, options: Optional[Options] = None,
+                 **overrides):
         super().__init__()
         self.options = (options or current_options()).replace(**overrides)
         self.path = os.fspath(path)
         if offset < 0:
             raise ValueError(f"offset must be >= 0, got {offset}")
-        flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC
+        flags = os.O_WRONLY | os.O_CLOEXEC | (os.O_CREAT if create or exclusive else 0)
         flags |= os.O_EXCL if exclusive else 0
         flags |= os.O_TRUNC if truncate else 0
         self._engine: Optional[_engine.Engine] = None
