@@ -169,8 +169,10 @@ def _snapshot(plan: torch_format.CheckpointPlan, arena_source: "_SnapshotMemory"
 
 
 class _Job:
-    def __init__(self, plan, path: str, opts: Options, arena, handle: SaveHandle):
+    def __init__(self, plan, path: str, opts: Options, arena, handle: SaveHandle, group=None,
+                 planning_error: Optional[BaseException] = None):
         self.plan, self.path, self.opts, self.arena, self.handle = plan, path, opts, arena, handle
+        self.group, self.planning_error = group, planning_error  # a partitioned save: its checkpoint group
         self.target = os.path.realpath(path)
 
 
@@ -200,7 +202,12 @@ class _Writer:
             job = self.jobs.get()
             size, error = None, None
             try:
-                size = save.write_plan_to_path(job.plan, job.path, job.opts)
+                if job.group is not None:
+                    from .distributed import write_partitioned
+
+                    size = write_partitioned(job.plan, job.path, job.group, job.opts, job.planning_error)
+                else:
+                    size = save.write_plan_to_path(job.plan, job.path, job.opts)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller through wait()
                 error = exc
                 log.error("fastpersist: the background save of %s failed: %s", job.path, exc)
@@ -223,7 +230,7 @@ _writer = _Writer()
 
 
 def save_async(obj, f, pickle_module=pickle, pickle_protocol: int = _torch_api.DEFAULT_PROTOCOL,
-               _disable_byteorder_record: bool = False, **options) -> SaveHandle:
+               _disable_byteorder_record: bool = False, *, group=None, **options) -> SaveHandle:
     """Saves ``obj`` to the path ``f`` like :func:`fastpersist.save`, in the
     background; returns a :class:`SaveHandle` once the tensors are copied.
 
@@ -236,6 +243,14 @@ def save_async(obj, f, pickle_module=pickle, pickle_protocol: int = _torch_api.D
     waits for the earlier ones. Errors are raised by ``handle.wait()`` (and
     logged); at interpreter exit, unfinished saves are waited for and
     failures nobody waited for are reported on stderr.
+
+    ``group``: as for ``fastpersist.save``, every rank calls save_async with
+    the same state and writes its share of the one file, in the background;
+    the ranks' exchanges run on a gloo group of the same ranks made for
+    checkpoints (on the first call, at the same point on every rank), never
+    on ``group`` itself, which training goes on using. Every rank's handle
+    fails if any rank's share fails; a pickling error on one rank too comes
+    out of ``wait()`` on every rank.
     """
     from .save import _not_accelerated_because
 
@@ -246,6 +261,20 @@ def save_async(obj, f, pickle_module=pickle, pickle_protocol: int = _torch_api.D
     path = os.fspath(f)
     _torch_api.log_api_usage("torch.save")
     _torch_api.check_dill_version(pickle_module)
+    if group is not None:
+        from .distributed import checkpoint_group
+
+        io_group = checkpoint_group(group)
+        plan, arena, error = None, None, None
+        try:  # a failure here must still reach the ranks' exchange, in the background
+            plan = torch_format.CheckpointPlan.of(obj, torch_format.archive_name_for(path), pickle_module,
+                                                  pickle_protocol, _disable_byteorder_record)
+            arena = _snapshot(plan, _writer.memory, _memory_limit(opts))
+        except Exception as exc:  # noqa: BLE001
+            plan, error = None, exc
+        handle = SaveHandle(path)
+        _writer.submit(_Job(plan, path, opts, arena, handle, io_group, error))
+        return handle
     plan = torch_format.CheckpointPlan.of(obj, torch_format.archive_name_for(path), pickle_module,
                                           pickle_protocol, _disable_byteorder_record)
     arena = _snapshot(plan, _writer.memory, _memory_limit(opts))

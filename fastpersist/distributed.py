@@ -92,7 +92,37 @@ class _Group:
 
 def save_partitioned(obj, path: str, group, opts: Options, pickle_module=pickle, pickle_protocol: int = 2,
                      disable_byteorder_record: bool = False) -> int:
-    """The protocol above; returns the checkpoint's size."""
+    """Plans obj's checkpoint on this rank and writes it with the others
+    (write_partitioned); returns the checkpoint's size."""
+    plan, error = None, None
+    try:
+        plan = torch_format.CheckpointPlan.of(obj, torch_format.archive_name_for(path), pickle_module,
+                                              pickle_protocol, disable_byteorder_record)
+    except Exception as exc:  # noqa: BLE001 - every rank must reach the exchange
+        error = exc
+    return write_partitioned(plan, path, group, opts, planning_error=error)
+
+
+def checkpoint_group(group):
+    """A gloo group of the same ranks as `group`, for checkpoint exchanges
+    from a background thread while training uses `group` itself (two threads
+    must not run collectives on one group). Made once per group; every rank of
+    the group must ask for it at the same point of its program."""
+    import torch.distributed as dist
+
+    if group not in _checkpoint_groups:
+        ranks = dist.get_process_group_ranks(group)
+        _checkpoint_groups[group] = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+    return _checkpoint_groups[group]
+
+
+_checkpoint_groups: dict = {}
+
+
+def write_partitioned(plan: Optional[torch_format.CheckpointPlan], path: str, group, opts: Options,
+                      planning_error: Optional[BaseException] = None) -> int:
+    """Steps 1 to 4 above for a plan made on this rank (None with the error
+    that stopped its planning); returns the checkpoint's size."""
     from .save import _fsync_folder, _keep_mode_of, _Temporary, remove_stale_temporaries
     from .writer import FastFileWriter
 
@@ -100,20 +130,14 @@ def save_partitioned(obj, path: str, group, opts: Options, pickle_module=pickle,
     target = os.path.realpath(path)
     folder = os.path.dirname(target)
 
-    # 1. plan
-    sid = g.gather(torch_format.new_serialization_id())[0]
-    plan, error, digest = None, None, None
-    try:
-        plan = torch_format.CheckpointPlan.of(obj, torch_format.archive_name_for(path), pickle_module,
-                                              pickle_protocol, disable_byteorder_record, serialization_id=sid)
-        digest = _plan_digest(plan)
-    except Exception as exc:  # noqa: BLE001 - every rank must reach the exchange
-        error = exc
-    digests = g.agree("pickled the object", path, error, digest)
-    differing = [rank for rank, d in enumerate(digests) if d != digests[0]]
+    # 1. the same plan on every rank, with rank 0's serialization id
+    mine = (_plan_digest(plan), torch_format.new_serialization_id()) if plan is not None else None
+    agreed = g.agree("pickled the object", path, planning_error, mine)
+    differing = [rank for rank, (digest, _) in enumerate(agreed) if digest != agreed[0][0]]
     if differing:
         raise ValueError(f"fastpersist: the partitioned save of {path} needs the same state on every rank, but "
                          f"rank(s) {differing} pickled a different checkpoint than rank 0; nothing was written")
+    plan.set_serialization_id(agreed[0][1])
 
     # 2. create
     temporary, writer, identity = None, None, None

@@ -256,6 +256,16 @@ class CheckpointPlan:
         recorder.write_record(".data/serialization_id", sid, len(sid))
         return cls(archive_name, recorder.records, alignment, compute_crc32, start)
 
+    def set_serialization_id(self, serialization_id: str) -> None:
+        """Replaces the id (the same length: the layout does not move)."""
+        data = serialization_id.encode("ascii")
+        for r in self.records:
+            if r.source.name == ".data/serialization_id":
+                if len(data) != r.source.nbytes:
+                    raise ValueError(f"a serialization id of {len(data)} bytes cannot replace one of {r.source.nbytes}")
+                r.source.data = data
+                self.set_crc(r, zlib.crc32(data))
+
     def set_crc(self, record: PlannedRecord, crc: int) -> None:
         record.layout.crc = crc if self.compute_crc32 else 0
 

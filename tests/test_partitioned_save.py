@@ -50,6 +50,15 @@ def _worker(rank, world, folder, scenario, results):
                 results[rank] = ("saved", None)
             except fp_dist.PartitionedSaveError as exc:
                 results[rank] = ("error", str(exc))
+        elif scenario == "async":
+            handle = fastpersist.save_async(obj, dest, group=dist.group.WORLD)
+            obj["w"].zero_()  # training goes on: the snapshot was taken
+            dist.all_reduce(torch.ones(1))  # ... and so do collectives on the training group
+            handle.wait()
+            first_isolated = torch.equal(torch.load(dest, weights_only=True)["w"], state()["w"])
+            dist.barrier()  # every rank has read the first file before the second replaces it
+            second = fastpersist.save_async({**obj, "step": 6}, dest, group=dist.group.WORLD)
+            results[rank] = ("ok" if first_isolated else "first save changed", second.result())
         elif scenario == "differ":
             if rank == 2:
                 obj["step"] = 6
@@ -119,6 +128,15 @@ def test_a_failure_on_one_rank_fails_every_rank_and_loses_nothing(folder):
     assert [results[r][0] for r in range(WORLD)] == ["error"] * WORLD
     assert all("rank 1: OSError" in results[r][1] and "No space left" in results[r][1] for r in range(WORLD))
     assert (folder / "ckpt.pt").read_bytes() == before
+    assert leftovers(folder) == []
+
+
+def test_save_async_with_a_group(folder):
+    results = run(folder, "async")
+    assert [results[r][0] for r in range(WORLD)] == ["ok"] * WORLD
+    assert len({results[r][1] for r in range(WORLD)}) == 1
+    loaded = vanilla_load(folder / "ckpt.pt")
+    assert loaded["step"] == 6 and torch.equal(loaded["w"], torch.zeros_like(state()["w"]))
     assert leftovers(folder) == []
 
 
