@@ -271,3 +271,26 @@ def run_load_rounds(runner: Runner, path: str, target, engines: list[str], repea
         runner.report()
     finally:
         runner.close()
+
+
+def tensors_in(obj):
+    """Every tensor in nested dicts, lists and tuples."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from tensors_in(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from tensors_in(v)
+
+
+def distinct_storages(obj) -> list:
+    """The storages of obj's tensors, each once (a tied head shares the embedding's)."""
+    seen = {}
+    for t in tensors_in(obj):
+        s = t.untyped_storage()
+        seen.setdefault(s.data_ptr(), s)
+    return list(seen.values())

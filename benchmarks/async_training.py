@@ -118,24 +118,6 @@ class Trainer:
         return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "step": step}
 
 
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
-
-
-def distinct_storages(obj) -> list:
-    """The checkpoint's storages, each once (a tied head shares the embedding's)."""
-    seen = {}
-    for t in _tensors(obj):
-        s = t.untyped_storage()
-        seen.setdefault(s.data_ptr(), s)
-    return list(seen.values())
 
 
 # ---------------------------------------------------------------------------
@@ -144,7 +126,7 @@ def distinct_storages(obj) -> list:
 
 class MemcpyReference:
     def __init__(self, checkpoint: dict):
-        self.sources = [torch.empty(0, dtype=torch.uint8).set_(s) for s in distinct_storages(checkpoint)
+        self.sources = [torch.empty(0, dtype=torch.uint8).set_(s) for s in _common.distinct_storages(checkpoint)
                         if s.nbytes()]
         self.nbytes = sum(s.numel() for s in self.sources)
         self.memory = mmap.mmap(-1, max(self.nbytes, 1))

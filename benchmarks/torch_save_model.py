@@ -46,24 +46,9 @@ def adam_state(model: torch.nn.Module) -> dict:
     return {"state": state, "param_groups": [group]}
 
 
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
-
-
 def storage_bytes(obj) -> int:
     """Bytes of distinct storages: what the checkpoint holds besides its pickle."""
-    seen = {}
-    for t in _tensors(obj):
-        s = t.untyped_storage()
-        seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
+    return sum(s.nbytes() for s in _common.distinct_storages(obj))
 
 
 def model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -117,7 +102,7 @@ def main(argv=None) -> None:
     checkpoint, built = build_checkpoint(args)
 
     # The raw write repeats the largest tensor's storage (already touched).
-    source = max((t for t in _tensors(checkpoint) if t.is_contiguous() and t.storage_offset() == 0),
+    source = max((t for t in _common.tensors_in(checkpoint) if t.is_contiguous() and t.storage_offset() == 0),
                  key=lambda t: t.untyped_storage().nbytes())
     engines = _common.usable_engines(args.engines)
     runner = _common.Runner(args.folder)
