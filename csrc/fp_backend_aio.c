@@ -114,6 +114,12 @@ static int aio_reap(struct fp_engine *e, int min_nr)
     return rc; /* retries queued by fp__complete are submitted by the core */
 }
 
+static int aio_unsubmitted(const struct fp_engine *e)
+{
+    const struct aio_state *s = e->backend_state;
+    return s->num_pending;
+}
+
 const struct fp_backend fp_backend_aio = {
-    "libaio", aio_init, aio_fini, aio_fini_forked, aio_queue, aio_submit, aio_reap,
+    "libaio", aio_init, aio_fini, aio_fini_forked, aio_queue, aio_submit, aio_reap, aio_unsubmitted,
 };

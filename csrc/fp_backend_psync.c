@@ -21,6 +21,8 @@ static int psync_queue(struct fp_engine *e, struct fp_request *r)
 static int psync_submit(struct fp_engine *e) { return (int)fp__inject(e, FP_SITE_SUBMIT, 0); }
 static int psync_reap(struct fp_engine *e, int min_nr) { (void)e; (void)min_nr; return 0; }
 
+static int psync_unsubmitted(const struct fp_engine *e) { (void)e; return 0; }
+
 const struct fp_backend fp_backend_psync = {
-    "psync", psync_init, psync_fini, psync_fini, psync_queue, psync_submit, psync_reap,
+    "psync", psync_init, psync_fini, psync_fini, psync_queue, psync_submit, psync_reap, psync_unsubmitted,
 };

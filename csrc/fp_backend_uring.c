@@ -114,6 +114,13 @@ static int uring_reap(struct fp_engine *e, int min_nr)
     return reaped; /* retries queued by fp__complete are submitted by the core */
 }
 
+static int uring_unsubmitted(const struct fp_engine *e)
+{
+    const struct uring_state *s = e->backend_state;
+    return (int)io_uring_sq_ready(&s->ring);
+}
+
 const struct fp_backend fp_backend_uring = {
     "io_uring", uring_init, uring_fini, uring_fini_forked, uring_queue, uring_submit, uring_reap,
+    uring_unsubmitted,
 };

@@ -330,6 +330,7 @@ int fp__request_index(const struct fp_engine *e, const struct fp_request *r)
 /* ---- request slots ---------------------------------------------------- */
 
 #define FP_SUBMIT_RETRIES 2000 /* transient refusals, 100 us apart: 0.2 s at least */
+#define FP_TRANSFER_RETRIES 2000 /* EAGAIN/EINTR completions of one request in a row */
 
 /* Hands queued requests to the kernel. A transient refusal (EAGAIN: the
  * kernel is short of resources; EBUSY: completions must be reaped first;
@@ -347,32 +348,42 @@ static int kick(struct fp_engine *e)
             continue;
         }
         set_error(e, rc, "submit", 0);
-        e->cannot_wait = 1;
+        e->cannot_submit = 1;
         return rc;
     }
 }
 
-/* Submits what is queued and waits for at least one completion. */
+/* Requests the kernel has and will complete. */
+static int in_kernel(const struct fp_engine *e)
+{
+    return e->in_flight - e->backend->unsubmitted(e);
+}
+
+/* Submits what is queued and waits for at least one completion. After a
+ * submission failed for good, it still reaps what the kernel already has:
+ * those requests may write from, or read into, memory we are about to free. */
 static int wait_one(struct fp_engine *e)
 {
-    if (e->cannot_wait)
+    if (e->cannot_reap)
         return e->error ? e->error : -ENOTRECOVERABLE;
-    if (kick(e) < 0)
+    if (!e->cannot_submit)
+        kick(e);
+    if (in_kernel(e) == 0)
         return e->error;
-    if (e->in_flight == 0)
-        return 0;
     int rc = e->backend->reap(e, 1);
     if (rc < 0 && rc != -EINTR) {
         set_error(e, rc, "wait", 0);
-        e->cannot_wait = 1;
+        e->cannot_reap = 1;
         return rc;
     }
-    return 0;
+    return e->error;
 }
 
+/* Waits until the kernel holds none of our requests (those that can no
+ * longer be submitted stay counted in flight: the engine has failed). */
 static int wait_all(struct fp_engine *e)
 {
-    while (e->in_flight > 0 && !e->cannot_wait)
+    while (!e->cannot_reap && (e->cannot_submit ? in_kernel(e) : e->in_flight) > 0)
         wait_one(e);
     return e->error;
 }
@@ -414,6 +425,7 @@ static int queue_request(struct fp_engine *e, int fd, int is_write, int is_direc
     r->buf = buf;
     r->len = len;
     r->off = off;
+    r->retries = 0;
     e->in_flight++;
     if (buf_index >= 0)
         e->buf_pending[buf_index]++;
@@ -428,9 +440,17 @@ void fp__complete(struct fp_engine *e, struct fp_request *r, int64_t res)
 {
     res = fp__inject(e, r->is_write ? FP_SITE_WRITE : FP_SITE_READ, res);
     if (res == -EAGAIN || res == -EINTR) {
+        /* Transient: try again, a bounded number of times, pausing after the first few. */
+        if (++r->retries > FP_TRANSFER_RETRIES) {
+            fp__fail(e, r, (int)res);
+            return;
+        }
+        if (r->retries > 8)
+            usleep(100);
         requeue(e, r);
         return;
     }
+    r->retries = 0;
     if (res == -EINVAL && r->is_direct && e->buffered_fd >= 0) {
         /* The filesystem refuses O_DIRECT: same bytes, through the cache. */
         e->direct = 0;

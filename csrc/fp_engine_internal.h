@@ -16,6 +16,7 @@ struct fp_request {
     char *buf;
     size_t len;     /* bytes still to transfer, starting at buf/off */
     uint64_t off;
+    int retries;    /* EAGAIN/EINTR completions in a row */
 };
 
 struct fp_backend {
@@ -33,6 +34,8 @@ struct fp_backend {
     /* Waits for at least min_nr completions (0: only those ready) and
      * reports each with fp__complete(). Returns the number reaped or -errno. */
     int (*reap)(struct fp_engine *e, int min_nr);
+    /* Requests queued but not handed to the kernel yet. */
+    int (*unsubmitted)(const struct fp_engine *e);
 };
 
 /* Test-only fault injection (FASTPERSIST_FAULT_INJECT, see fp_engine.h). */
@@ -70,7 +73,8 @@ struct fp_engine {
     const char *error_op;
     uint64_t error_offset;
     int failed;             /* an operation failed: never used again */
-    int cannot_wait;        /* submit or wait failed: requests may never complete */
+    int cannot_submit;      /* a submission failed for good: queued requests never reach the kernel */
+    int cannot_reap;        /* waiting for completions failed: nothing more can be reaped */
 
     struct fp_fault faults[FP_MAX_FAULTS];
     int num_faults;

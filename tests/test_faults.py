@@ -54,6 +54,8 @@ def idle_engines():
     ("submit:2:EIO", errno.EIO),         # the kernel refuses a submission for good
     ("submit:1+:EAGAIN", errno.EAGAIN),  # a refusal that lasts fails instead of spinning
     ("open:1:EIO", errno.EIO),           # the O_DIRECT open fails otherwise than with EINVAL
+    ("write:1+:EAGAIN", errno.EAGAIN),   # a transfer refused for good fails instead of retrying forever
+    ("write:2+:EINTR", errno.EINTR),
 ])
 def test_failed_write_loses_nothing_and_engine_is_dropped(folder, engine, inject, spec, code):
     path = folder / "ckpt.pt"
