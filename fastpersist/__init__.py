@@ -6,6 +6,7 @@ Files stay standard torch checkpoints that any ``torch.load`` reads.
 import os
 
 from .async_save import SaveHandle, save_async
+from .async_save import wait_for_all as wait_for_saves
 from .load import IncompatibleKeys, load, load_into
 from .options import Options
 from .patching import is_patched, patch, unpatch
@@ -15,7 +16,7 @@ from .writer import FastFileWriter
 
 __version__ = "0.1.0"
 __all__ = ["CheckpointError", "FastFileWriter", "IncompatibleKeys", "Options", "SaveHandle", "is_patched", "load",
-           "load_into", "patch", "save", "save_async", "unpatch", "__version__"]
+           "load_into", "patch", "save", "save_async", "unpatch", "wait_for_saves", "__version__"]
 
 
 

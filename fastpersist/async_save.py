@@ -15,11 +15,13 @@ import atexit
 import importlib
 import logging
 import mmap
+import multiprocessing.util
 import os
 import pickle
 import queue
 import sys
 import threading
+import traceback
 from typing import Optional
 
 from . import _torch_api, torch_format
@@ -78,7 +80,8 @@ class _Arena:
         import torch
 
         self.size = size
-        self.memory = mmap.mmap(-1, size)
+        # private: a forked child gets its own copy on write, never the parent's pages
+        self.memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
         if hasattr(mmap, "MADV_HUGEPAGE"):
             self.memory.madvise(mmap.MADV_HUGEPAGE)  # cheaper first touch, fewer TLB misses in the copy
         self.bytes = torch.frombuffer(self.memory, dtype=torch.uint8)
@@ -133,9 +136,21 @@ class _SnapshotMemory:
 
 
 def _memory_limit(opts: Options) -> int:
+    """snapshot_memory, or half of the memory this process may use: the
+    machine's, or its cgroup's (a container's) where that is smaller."""
     if opts.snapshot_memory:
         return opts.snapshot_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(limit_file) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+        break
+    return total // 2
 
 
 def _snapshot(plan: torch_format.CheckpointPlan, arena_source: "_SnapshotMemory", limit: int):
@@ -173,7 +188,18 @@ class _Job:
                  planning_error: Optional[BaseException] = None):
         self.plan, self.path, self.opts, self.arena, self.handle = plan, path, opts, arena, handle
         self.group, self.planning_error = group, planning_error  # a partitioned save: its checkpoint group
+        self.sequence = 0  # which of the group's saves (partitioned saves only)
         self.target = os.path.realpath(path)
+
+
+def _drop_frames(exc: BaseException) -> None:
+    """Clears the locals of every frame in exc's tracebacks (and its causes'),
+    so a stored error keeps no engine, plan or snapshot memory alive."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
 
 
 class _Writer:
@@ -189,11 +215,15 @@ class _Writer:
 
     def submit(self, job: _Job) -> None:
         with self.lock:
-            self.pending.append(job)
             if self.thread is None:
-                self.thread = threading.Thread(target=self._run, name="fastpersist-save-async", daemon=True)
-                self.thread.start()
-        self.jobs.put(job)
+                thread = threading.Thread(target=self._run, name="fastpersist-save-async", daemon=True)
+                thread.start()
+                self.thread = thread
+                # A multiprocessing child started by fork ends with os._exit, which
+                # skips atexit: its own exit hook waits for the saves too.
+                multiprocessing.util.Finalize(None, _at_exit, exitpriority=100)
+            self.jobs.put(job)  # queued before it counts as pending: the writer always finds it
+            self.pending.append(job)
 
     def _run(self) -> None:
         save = importlib.import_module(".save", __package__)  # the module; fastpersist.save is the function
@@ -202,24 +232,29 @@ class _Writer:
             job = self.jobs.get()
             size, error = None, None
             try:
+                # the file the caller named when it called save_async (not after a chdir)
                 if job.group is not None:
                     from .distributed import write_partitioned
 
-                    size = write_partitioned(job.plan, job.path, job.group, job.opts, job.planning_error)
+                    size = write_partitioned(job.plan, job.path, job.group, job.opts, job.planning_error,
+                                             target=job.target, sequence=job.sequence)
                 else:
-                    size = save.write_plan_to_path(job.plan, job.path, job.opts)
+                    size = save.write_plan_to_path(job.plan, job.path, job.opts, target=job.target)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller through wait()
                 error = exc
+                _drop_frames(exc)  # the traceback would keep the engine and the snapshot alive
                 log.error("fastpersist: the background save of %s failed: %s", job.path, exc)
             finally:
                 if job.arena is not None:
                     self.memory.give_back(job.arena)
                 job.plan = job.arena = None
-                with self.lock:
-                    self.pending.remove(job)
-                    if error is not None:
-                        self.unobserved_failures.append(job.handle)
             job.handle._finish(size, error)
+            with self.lock:
+                if job in self.pending:
+                    self.pending.remove(job)
+                if error is not None:
+                    self.unobserved_failures = [h for h in self.unobserved_failures if not h._observed]
+                    self.unobserved_failures.append(job.handle)
 
     def unfinished(self, target: Optional[str] = None) -> list[SaveHandle]:
         with self.lock:
@@ -256,30 +291,62 @@ def save_async(obj, f, pickle_module=pickle, pickle_protocol: int = _torch_api.D
 
     opts = current_options().replace(**options)
     reason = _not_accelerated_because(f, pickle_module, True)
+    if group is not None:
+        return _save_async_partitioned(obj, f, group, opts, pickle_module, pickle_protocol,
+                                       _disable_byteorder_record, reason)
     if reason:
         raise TypeError(f"fastpersist.save_async writes checkpoints to paths; {f!r}: {reason}")
     path = os.fspath(f)
     _torch_api.log_api_usage("torch.save")
     _torch_api.check_dill_version(pickle_module)
-    if group is not None:
-        from .distributed import checkpoint_group
-
-        io_group = checkpoint_group(group)
-        plan, arena, error = None, None, None
-        try:  # a failure here must still reach the ranks' exchange, in the background
-            plan = torch_format.CheckpointPlan.of(obj, torch_format.archive_name_for(path), pickle_module,
-                                                  pickle_protocol, _disable_byteorder_record)
-            arena = _snapshot(plan, _writer.memory, _memory_limit(opts))
-        except Exception as exc:  # noqa: BLE001
-            plan, error = None, exc
-        handle = SaveHandle(path)
-        _writer.submit(_Job(plan, path, opts, arena, handle, io_group, error))
-        return handle
     plan = torch_format.CheckpointPlan.of(obj, torch_format.archive_name_for(path), pickle_module,
                                           pickle_protocol, _disable_byteorder_record)
     arena = _snapshot(plan, _writer.memory, _memory_limit(opts))
     handle = SaveHandle(path)
-    _writer.submit(_Job(plan, path, opts, arena, handle))
+    try:
+        _writer.submit(_Job(plan, path, opts, arena, handle))
+    except BaseException:  # e.g. KeyboardInterrupt: the snapshot memory must not leak
+        if arena is not None:
+            _writer.memory.give_back(arena)
+        raise
+    return handle
+
+
+def _save_async_partitioned(obj, f, group, opts: Options, pickle_module, pickle_protocol: int,
+                            disable_byteorder_record: bool, reason: Optional[str]) -> SaveHandle:
+    """save_async(group=...): whatever goes wrong on this rank still reaches
+    the ranks' exchange, in the background, so that every rank's save fails
+    and none waits forever."""
+    from .distributed import checkpoint_group, next_sequence
+
+    io_group = checkpoint_group(group)
+    sequence = next_sequence(group)
+    path = os.fspath(f) if isinstance(f, (str, os.PathLike)) else repr(f)
+    plan, arena, error = None, None, None
+    try:
+        if reason:
+            raise TypeError(f"fastpersist.save_async writes checkpoints to paths; {f!r}: {reason}")
+        _torch_api.log_api_usage("torch.save")
+        _torch_api.check_dill_version(pickle_module)
+        plan = torch_format.CheckpointPlan.of(obj, torch_format.archive_name_for(path), pickle_module,
+                                              pickle_protocol, disable_byteorder_record)
+        arena = _snapshot(plan, _writer.memory, _memory_limit(opts))
+    except BaseException as exc:  # noqa: BLE001
+        plan, error = None, exc
+        if arena is not None:
+            _writer.memory.give_back(arena)
+            arena = None
+    handle = SaveHandle(path)
+    job = _Job(plan, path, opts, arena, handle, io_group, error)
+    job.sequence = sequence
+    try:
+        _writer.submit(job)
+    except BaseException:
+        if arena is not None:
+            _writer.memory.give_back(arena)
+        raise
+    if error is not None and not isinstance(error, Exception):
+        raise error  # KeyboardInterrupt: the caller's, after the other ranks were told
     return handle
 
 
@@ -291,7 +358,9 @@ def wait_for_saves_to(path: str) -> None:
 
 
 def wait_for_all() -> None:
-    """Waits for every unfinished save_async of this process."""
+    """Waits for every unfinished save_async of this process (``fastpersist.wait_for_saves``).
+    Call it before ``torch.distributed.destroy_process_group()`` when group
+    saves may be in flight: they need their group to finish."""
     for handle in _writer.unfinished():
         handle._event.wait()
 
@@ -310,6 +379,7 @@ def _at_exit() -> None:
     with _writer.lock:
         failed = [h for h in _writer.unobserved_failures if not h._observed]
     for handle in failed:
+        handle._observed = True  # said once, though this runs from atexit and multiprocessing's exit
         print(f"fastpersist: ERROR: the background save of {handle.path} failed and nobody called wait(): "
               f"{type(handle._error).__name__}: {handle._error}", file=sys.stderr, flush=True)
 

@@ -51,9 +51,12 @@ def partition(size: int, world: int, align: int = PARTITION_ALIGN) -> list[tuple
     return list(zip(bounds, bounds[1:]))
 
 
-def _plan_digest(plan: torch_format.CheckpointPlan) -> str:
-    """What must be the same on every rank: names, sizes, offsets and the byte records."""
-    digest = hashlib.sha256()
+def _plan_digest(plan: torch_format.CheckpointPlan, target: str, sequence: int) -> str:
+    """What must be the same on every rank: the file, which of the group's
+    saves this is, the CRC setting, names, sizes, offsets and the byte records
+    (the pickle). Tensor values are not compared: replicated state is the
+    caller's promise."""
+    digest = hashlib.sha256(f"{target}\0{sequence}\0{plan.compute_crc32}\0".encode())
     for r in plan.records:
         digest.update(f"{r.layout.name}:{r.layout.header_offset}:{r.source.nbytes};".encode())
         if r.source.data is not None and r.source.name != ".data/serialization_id":
@@ -79,28 +82,50 @@ class _Group:
         self.dist.all_gather_object(out, value, group=self.group)
         return out
 
-    def agree(self, step: str, path: str, error: Optional[BaseException], value=None) -> list:
-        """Exchanges each rank's outcome of a step; raises on every rank if any failed."""
-        outcomes = self.gather((None if error is None else f"{type(error).__name__}: {error}", value))
-        failed = [(rank, message) for rank, (message, _) in enumerate(outcomes) if message]
+    def agree(self, step: str, path: str, error: Optional[BaseException], value=None,
+              replaced: bool = False) -> list:
+        """Exchanges each rank's outcome of a step; raises on every rank if any
+        failed (a KeyboardInterrupt or SystemExit stays itself on its rank, after
+        the exchange, so that no other rank waits for it forever). replaced:
+        this rank has already renamed the new file over the destination."""
+        message = None if error is None else f"{type(error).__name__}: {error}"
+        outcomes = self.gather((message, value, replaced))
+        failed = [(rank, m) for rank, (m, _, _) in enumerate(outcomes) if m]
         if failed:
-            detail = "; ".join(f"rank {rank}: {message}" for rank, message in failed)
+            if error is not None and not isinstance(error, Exception):
+                raise error
+            detail = "; ".join(f"rank {rank}: {m}" for rank, m in failed)
+            consequence = ("the new checkpoint has replaced the previous one, but that may not be durable"
+                           if any(r for _, _, r in outcomes) else "the previous checkpoint is untouched")
             raise PartitionedSaveError(f"fastpersist: the partitioned save of {path} failed while it {step} "
-                                       f"({detail}); the previous checkpoint is untouched") from error
-        return [value for _, value in outcomes]
+                                       f"({detail}); {consequence}") from error
+        return [v for _, v, _ in outcomes]
 
 
 def save_partitioned(obj, path: str, group, opts: Options, pickle_module=pickle, pickle_protocol: int = 2,
-                     disable_byteorder_record: bool = False) -> int:
+                     disable_byteorder_record: bool = False, refusal: Optional[BaseException] = None) -> int:
     """Plans obj's checkpoint on this rank and writes it with the others
-    (write_partitioned); returns the checkpoint's size."""
-    plan, error = None, None
-    try:
-        plan = torch_format.CheckpointPlan.of(obj, torch_format.archive_name_for(path), pickle_module,
-                                              pickle_protocol, disable_byteorder_record)
-    except Exception as exc:  # noqa: BLE001 - every rank must reach the exchange
-        error = exc
-    return write_partitioned(plan, path, group, opts, planning_error=error)
+    (write_partitioned); returns the checkpoint's size. refusal: why this
+    rank cannot save (it still takes part in the exchange, so every rank fails)."""
+    sequence = next_sequence(group)
+    plan, error = None, refusal
+    if refusal is None:
+        try:
+            plan = torch_format.CheckpointPlan.of(obj, torch_format.archive_name_for(path), pickle_module,
+                                                  pickle_protocol, disable_byteorder_record)
+        except BaseException as exc:  # noqa: BLE001 - every rank must reach the exchange
+            error = exc
+    return write_partitioned(plan, path, group, opts, error, sequence=sequence)
+
+
+_sequences: dict = {}
+
+
+def next_sequence(group) -> int:
+    """How many group saves this process has started with `group`: ranks whose
+    sequences of saves differ are refused, never paired save for save wrongly."""
+    _sequences[group] = _sequences.get(group, 0) + 1
+    return _sequences[group]
 
 
 def checkpoint_group(group):
@@ -120,23 +145,25 @@ _checkpoint_groups: dict = {}
 
 
 def write_partitioned(plan: Optional[torch_format.CheckpointPlan], path: str, group, opts: Options,
-                      planning_error: Optional[BaseException] = None) -> int:
+                      planning_error: Optional[BaseException] = None, target: Optional[str] = None,
+                      sequence: int = 0) -> int:
     """Steps 1 to 4 above for a plan made on this rank (None with the error
     that stopped its planning); returns the checkpoint's size."""
     from .save import _fsync_folder, _keep_mode_of, _Temporary, remove_stale_temporaries
     from .writer import FastFileWriter
 
     g = _Group(group)
-    target = os.path.realpath(path)
+    target = target or os.path.realpath(path)
     folder = os.path.dirname(target)
 
     # 1. the same plan on every rank, with rank 0's serialization id
-    mine = (_plan_digest(plan), torch_format.new_serialization_id()) if plan is not None else None
+    mine = (_plan_digest(plan, target, sequence), torch_format.new_serialization_id()) if plan is not None else None
     agreed = g.agree("pickled the object", path, planning_error, mine)
     differing = [rank for rank, (digest, _) in enumerate(agreed) if digest != agreed[0][0]]
     if differing:
-        raise ValueError(f"fastpersist: the partitioned save of {path} needs the same state on every rank, but "
-                         f"rank(s) {differing} pickled a different checkpoint than rank 0; nothing was written")
+        raise ValueError(f"fastpersist: the partitioned save of {path} needs every rank to save the same state "
+                         f"to the same file in the same order, but rank(s) {differing} planned a different "
+                         "checkpoint, file or save than rank 0; nothing was written")
     plan.set_serialization_id(agreed[0][1])
 
     # 2. create
@@ -151,7 +178,7 @@ def write_partitioned(plan: Optional[torch_format.CheckpointPlan], path: str, gr
                 writer = temporary.writer
                 os.posix_fallocate(writer.fd, 0, plan.size)  # the final size: every write lands inside the file
                 identity = (temporary.path, os.fstat(writer.fd).st_ino)
-        except Exception as exc:  # noqa: BLE001 - every rank must reach the exchange
+        except BaseException as exc:  # noqa: BLE001 - every rank must reach the exchange
             error = exc
         identity = g.agree("created its temporary file", path, error, identity)[0]
         error = None
@@ -160,7 +187,7 @@ def write_partitioned(plan: Optional[torch_format.CheckpointPlan], path: str, gr
                 writer = FastFileWriter(identity[0], lo, create=False, options=opts)
                 if os.fstat(writer.fd).st_ino != identity[1]:
                     raise OSError(f"{identity[0]} is not the file rank 0 created (do all ranks share the folder?)")
-        except Exception as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001
             error = exc
         g.agree("opened the temporary file", path, error)
 
@@ -169,7 +196,7 @@ def write_partitioned(plan: Optional[torch_format.CheckpointPlan], path: str, gr
         try:
             pieces = _write_range(plan, writer, lo, hi)
             writer.close()  # waits for every write; fsyncs with opts.fsync
-        except Exception as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001
             error = exc
         all_pieces = g.agree(f"wrote bytes {lo}..{hi}", path, error, pieces)
 
@@ -184,9 +211,9 @@ def write_partitioned(plan: Optional[torch_format.CheckpointPlan], path: str, gr
                 temporary.renamed()
                 if opts.fsync:
                     _fsync_folder(folder)
-        except Exception as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001
             error = exc
-        g.agree("finished the file", path, error)
+        g.agree("finished the file", path, error, replaced=temporary is not None and temporary.in_place)
     except BaseException:
         if writer is not None:
             writer.abort()
@@ -255,6 +282,15 @@ def _set_crcs(plan: torch_format.CheckpointPlan, pieces: list) -> None:
         plan.set_crc(plan.records[i], crc)
 
 
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        if n <= 0:
+            raise OSError(f"pwrite made no progress at offset {offset}")
+        view, offset = view[n:], offset + n
+
+
 def _write_trailer(plan: torch_format.CheckpointPlan, path: str, opts: Options) -> None:
     """Rank 0: the data descriptors and the central directory, now that every CRC is known."""
     fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
@@ -262,8 +298,8 @@ def _write_trailer(plan: torch_format.CheckpointPlan, path: str, opts: Options) 
         for r in plan.records:
             descriptor = plan.descriptor(r)
             if descriptor:
-                os.pwrite(fd, descriptor, r.layout.data_offset + r.layout.size)
-        os.pwrite(fd, plan.central_directory(), plan.central_directory_offset)
+                _pwrite_all(fd, descriptor, r.layout.data_offset + r.layout.size)
+        _pwrite_all(fd, plan.central_directory(), plan.central_directory_offset)
         if opts.fsync:
             os.fsync(fd)
     finally:

@@ -44,15 +44,18 @@ def save(obj, f, pickle_module=pickle, pickle_protocol: int = DEFAULT_PROTOCOL,
     opts = current_options().replace(**options)
     reason = _not_accelerated_because(f, pickle_module, _use_new_zipfile_serialization)
     if group is not None:
-        if reason:
-            raise TypeError(f"fastpersist.save(group=...) writes checkpoints to paths; {f!r}: {reason}")
         from .async_save import wait_for_saves_to
         from .distributed import save_partitioned
 
-        _torch_api.log_api_usage("torch.save")
-        _torch_api.check_dill_version(pickle_module)
-        wait_for_saves_to(os.fspath(f))
-        save_partitioned(obj, os.fspath(f), group, opts, pickle_module, pickle_protocol, _disable_byteorder_record)
+        # A refusal on one rank still goes through the ranks' exchange: every rank fails, none hangs.
+        refusal = TypeError(f"fastpersist.save(group=...) writes checkpoints to paths; {f!r}: {reason}") \
+            if reason else None
+        path = os.fspath(f) if isinstance(f, (str, os.PathLike)) else repr(f)
+        if refusal is None:
+            _torch_api.log_api_usage("torch.save")
+            _torch_api.check_dill_version(pickle_module)
+            wait_for_saves_to(path)
+        save_partitioned(obj, path, group, opts, pickle_module, pickle_protocol, _disable_byteorder_record, refusal)
         return
     if reason:
         log.debug("fastpersist: torch.save to %r goes to the original torch.save: %s", f, reason)
@@ -96,10 +99,12 @@ def save_to_path(obj, path: str, opts: Options, pickle_module=pickle, pickle_pro
     return write_plan_to_path(plan, path, opts)
 
 
-def write_plan_to_path(plan: torch_format.CheckpointPlan, path: str, opts: Options) -> int:
-    """Writes a planned checkpoint at path, atomically and durably as opts say;
-    returns its size in bytes."""
-    target = os.path.realpath(path)  # torch.save writes through symlinks
+def write_plan_to_path(plan: torch_format.CheckpointPlan, path: str, opts: Options,
+                       target: Optional[str] = None) -> int:
+    """Writes a planned checkpoint at path (errors name it), atomically and
+    durably as opts say; returns its size in bytes. target: path resolved
+    already (save_async resolves it when called, not when written)."""
+    target = target or os.path.realpath(path)  # torch.save writes through symlinks
     folder = os.path.dirname(target)
     remove_stale_temporaries(folder)
     temporary = None

@@ -59,6 +59,22 @@ def _worker(rank, world, folder, scenario, results):
             dist.barrier()  # every rank has read the first file before the second replaces it
             second = fastpersist.save_async({**obj, "step": 6}, dest, group=dist.group.WORLD)
             results[rank] = ("ok" if first_isolated else "first save changed", second.result())
+        elif scenario == "refuse":
+            # rank 1 alone cannot save (its folder is missing): every rank fails, none hangs,
+            # and the ranks' next saves, synchronous and asynchronous, still pair up right
+            outcomes = []
+            bad = os.path.join(folder, "missing", "ckpt.pt") if rank == 1 else dest
+            for save in (lambda p: fastpersist.save(obj, p, group=dist.group.WORLD),
+                         lambda p: fastpersist.save_async(obj, p, group=dist.group.WORLD).wait()):
+                try:
+                    save(bad)
+                    outcomes.append("saved")
+                except fp_dist.PartitionedSaveError as exc:
+                    outcomes.append("rank 1: TypeError" in str(exc) and "parent folder does not exist" in str(exc))
+                save(dest)
+                outcomes.append(torch.load(dest, weights_only=True)["step"])
+            dist.all_reduce(torch.ones(1))  # the training group is not stuck in an exchange
+            results[rank] = ("ok", outcomes)
         elif scenario == "differ":
             if rank == 2:
                 obj["step"] = 6
@@ -140,6 +156,12 @@ def test_save_async_with_a_group(folder):
     assert leftovers(folder) == []
 
 
+def test_a_refusal_on_one_rank_fails_every_rank_without_a_hang(folder):
+    results = run(folder, "refuse")
+    assert [results[r] for r in range(WORLD)] == [("ok", [True, 5, True, 5])] * WORLD
+    assert leftovers(folder) == []
+
+
 def test_ranks_with_different_state_are_refused(folder):
     results = run(folder, "differ")
     assert [results[r][0] for r in range(WORLD)] == ["error"] * WORLD
@@ -147,9 +169,8 @@ def test_ranks_with_different_state_are_refused(folder):
     assert not (folder / "ckpt.pt").exists() and leftovers(folder) == []
 
 
-def test_group_needs_a_path_and_an_initialized_group(folder):
-    with pytest.raises(TypeError, match="paths"):
-        fastpersist.save({"a": 1}, open(folder / "x.pt", "wb"), group=object())
-    if not dist.is_initialized():
+def test_group_needs_an_initialized_group(folder):
+    assert not dist.is_initialized()
+    for target in (folder / "x.pt", open(folder / "y.pt", "wb")):
         with pytest.raises(RuntimeError, match="initialized"):
-            fastpersist.save({"a": 1}, folder / "x.pt", group=object())
+            fastpersist.save({"a": 1}, target, group=object())

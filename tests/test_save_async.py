@@ -81,8 +81,8 @@ def test_saves_to_one_path_land_in_submission_order(folder, monkeypatch):
     save_module = importlib.import_module("fastpersist.save")
     real = save_module.write_plan_to_path
 
-    def spy(plan, path, opts):
-        size = real(plan, path, opts)
+    def spy(plan, path, opts, **kwargs):
+        size = real(plan, path, opts, **kwargs)
         order.append(vanilla_load(path)["step"])
         return size
 
@@ -171,3 +171,42 @@ def test_save_async_in_a_forked_child(folder):
     assert vanilla_load(folder / "child.pt")["step"] == 2
     assert vanilla_load(folder / "parent2.pt")["step"] == 3
     assert leftovers(folder) == []
+
+
+def _save_in_child(path):
+    torch.set_num_threads(1)  # torch 2.13 hangs in a forked child's parallel ops otherwise
+    fastpersist.save_async({"w": torch.arange(5_000_000), "step": 9}, path)  # returns without waiting
+
+
+def test_a_multiprocessing_fork_child_exiting_with_a_save_in_flight_keeps_it(folder):
+    """Such children end with os._exit, which skips atexit handlers."""
+    import multiprocessing
+
+    child = multiprocessing.get_context("fork").Process(target=_save_in_child, args=(str(folder / "mp.pt"),))
+    child.start()
+    child.join(120)
+    assert child.exitcode == 0
+    assert vanilla_load(folder / "mp.pt")["step"] == 9
+    assert leftovers(folder) == []
+
+
+def test_failed_saves_keep_no_engine_or_snapshot_alive(folder, monkeypatch):
+    import gc
+
+    def engines():
+        gc.collect()
+        return sum(isinstance(o, _engine.Engine) for o in gc.get_objects())
+
+    monkeypatch.setenv("FASTPERSIST_FAULT_INJECT", "write:1+:EIO")
+    _engine.clear_pool()
+    async_save.wait_for_all()
+    before = engines()
+    handles = [fastpersist.save_async(state(i, 1_000_000), folder / "f.pt", engine="psync") for i in range(4)]
+    for h in handles:
+        with pytest.raises(OSError):
+            h.wait()
+    monkeypatch.delenv("FASTPERSIST_FAULT_INJECT")
+    _engine.clear_pool()
+    assert engines() <= before  # the stored errors' tracebacks hold no engine
+    memory = async_save._writer.memory
+    assert sum(a.size for a in memory.free) == memory.total  # every snapshot arena came back
