@@ -195,7 +195,7 @@ def test_failed_saves_keep_no_engine_or_snapshot_alive(folder, monkeypatch):
 
     def engines():
         gc.collect()
-        return sum(isinstance(o, _engine.Engine) for o in gc.get_objects())
+        return sum(type(o) is _engine.Engine for o in gc.get_objects())  # isinstance pokes deprecated torch proxies
 
     monkeypatch.setenv("FASTPERSIST_FAULT_INJECT", "write:1+:EIO")
     _engine.clear_pool()
