@@ -392,7 +392,9 @@ def _forget_in_child() -> None:
     global _writer
     parent = _writer
     _writer = _Writer()
-    for job in parent.pending:
+    for job in list(parent.pending):
+        # A new Event: the writer thread may have held the old one's lock at the fork.
+        job.handle._event = threading.Event()
         job.handle._finish(error=RuntimeError(
             f"fastpersist: the save of {job.path} belongs to process {os.getppid()}, which forked this "
             "one; it finishes there, not here"))

@@ -151,21 +151,35 @@ def test_exit_waits_for_saves_in_flight_and_reports_unobserved_failures(folder):
     assert "ERROR: the background save of" in out.stderr and "nobody called wait()" in out.stderr
 
 
-def test_save_async_in_a_forked_child(folder):
+def test_save_async_in_a_forked_child(folder, monkeypatch):
+    import threading
+
     fastpersist.save_async(state(1, 1000), folder / "parent.pt").wait()  # the writer thread exists
-    pending = fastpersist.save_async(state(3, 4_000_000), folder / "parent2.pt")
+    gate = threading.Event()
+    save_module = importlib.import_module("fastpersist.save")
+    real = save_module.write_plan_to_path
+
+    def held(plan, path, opts, **kwargs):  # keeps the parent's second save in flight across the fork
+        if str(path).endswith("parent2.pt"):
+            gate.wait(60)
+        return real(plan, path, opts, **kwargs)
+
+    monkeypatch.setattr(save_module, "write_plan_to_path", held)
+    pending = fastpersist.save_async(state(3, 1000), folder / "parent2.pt")
 
     def child():
-        fastpersist.save_async(state(2, 100_000), folder / "child.pt").wait()
+        fastpersist.save_async(state(2, 100_000), folder / "child.pt").wait()  # the child's own writer
         try:
-            pending.wait(timeout=5)  # the parent's save: it fails here instead of blocking
-        except RuntimeError as exc:
+            pending.wait(timeout=5)
+        except RuntimeError as exc:  # the parent's save fails here instead of blocking
             assert "belongs to process" in str(exc)
-        else:
-            assert pending.done()  # it had finished before the fork
+            return
+        raise AssertionError("the parent's pending save neither failed nor blocked in the child")
 
+    assert not pending.done()
     pid = fork_child(child)
     _, status = os.waitpid(pid, 0)
+    gate.set()
     assert os.waitstatus_to_exitcode(status) == 0
     pending.wait()
     assert vanilla_load(folder / "child.pt")["step"] == 2
