@@ -185,10 +185,10 @@ def _snapshot(plan: torch_format.CheckpointPlan, arena_source: "_SnapshotMemory"
 
 class _Job:
     def __init__(self, plan, path: str, opts: Options, arena, handle: SaveHandle, group=None,
-                 planning_error: Optional[BaseException] = None):
+                 planning_error: Optional[BaseException] = None, sequence: int = 0):
         self.plan, self.path, self.opts, self.arena, self.handle = plan, path, opts, arena, handle
-        self.group, self.planning_error = group, planning_error  # a partitioned save: its checkpoint group
-        self.sequence = 0  # which of the group's saves (partitioned saves only)
+        # partitioned saves only: the checkpoint group, this rank's planning error, which of the group's saves
+        self.group, self.planning_error, self.sequence = group, planning_error, sequence
         self.target = os.path.realpath(path)
 
 
@@ -297,19 +297,24 @@ def save_async(obj, f, pickle_module=pickle, pickle_protocol: int = _torch_api.D
     if reason:
         raise TypeError(f"fastpersist.save_async writes checkpoints to paths; {f!r}: {reason}")
     path = os.fspath(f)
-    _torch_api.log_api_usage("torch.save")
-    _torch_api.check_dill_version(pickle_module)
-    plan = torch_format.CheckpointPlan.of(obj, torch_format.archive_name_for(path), pickle_module,
-                                          pickle_protocol, _disable_byteorder_record)
-    arena = _snapshot(plan, _writer.memory, _memory_limit(opts))
-    handle = SaveHandle(path)
+    plan, arena = _plan_and_snapshot(obj, path, opts, pickle_module, pickle_protocol, _disable_byteorder_record)
+    return _submit(_Job(plan, path, opts, arena, SaveHandle(path)))
+
+
+def _plan_and_snapshot(obj, path: str, opts: Options, pickle_module, pickle_protocol: int,
+                       disable_byteorder_record: bool):
+    plan = torch_format.CheckpointPlan.for_path(obj, path, pickle_module, pickle_protocol, disable_byteorder_record)
+    return plan, _snapshot(plan, _writer.memory, _memory_limit(opts))
+
+
+def _submit(job: _Job) -> SaveHandle:
     try:
-        _writer.submit(_Job(plan, path, opts, arena, handle))
+        _writer.submit(job)
     except BaseException:  # e.g. KeyboardInterrupt: the snapshot memory must not leak
-        if arena is not None:
-            _writer.memory.give_back(arena)
+        if job.arena is not None:
+            _writer.memory.give_back(job.arena)
         raise
-    return handle
+    return job.handle
 
 
 def _save_async_partitioned(obj, f, group, opts: Options, pickle_module, pickle_protocol: int,
@@ -326,25 +331,10 @@ def _save_async_partitioned(obj, f, group, opts: Options, pickle_module, pickle_
     try:
         if reason:
             raise TypeError(f"fastpersist.save_async writes checkpoints to paths; {f!r}: {reason}")
-        _torch_api.log_api_usage("torch.save")
-        _torch_api.check_dill_version(pickle_module)
-        plan = torch_format.CheckpointPlan.of(obj, torch_format.archive_name_for(path), pickle_module,
-                                              pickle_protocol, disable_byteorder_record)
-        arena = _snapshot(plan, _writer.memory, _memory_limit(opts))
-    except BaseException as exc:  # noqa: BLE001
-        plan, error = None, exc
-        if arena is not None:
-            _writer.memory.give_back(arena)
-            arena = None
-    handle = SaveHandle(path)
-    job = _Job(plan, path, opts, arena, handle, io_group, error)
-    job.sequence = sequence
-    try:
-        _writer.submit(job)
-    except BaseException:
-        if arena is not None:
-            _writer.memory.give_back(arena)
-        raise
+        plan, arena = _plan_and_snapshot(obj, path, opts, pickle_module, pickle_protocol, disable_byteorder_record)
+    except BaseException as exc:  # noqa: BLE001 - _snapshot gives its memory back itself
+        error = exc
+    handle = _submit(_Job(plan, path, opts, arena, SaveHandle(path), io_group, error, sequence))
     if error is not None and not isinstance(error, Exception):
         raise error  # KeyboardInterrupt: the caller's, after the other ranks were told
     return handle

@@ -111,8 +111,8 @@ def save_partitioned(obj, path: str, group, opts: Options, pickle_module=pickle,
     plan, error = None, refusal
     if refusal is None:
         try:
-            plan = torch_format.CheckpointPlan.of(obj, torch_format.archive_name_for(path), pickle_module,
-                                                  pickle_protocol, disable_byteorder_record)
+            plan = torch_format.CheckpointPlan.for_path(obj, path, pickle_module, pickle_protocol,
+                                                        disable_byteorder_record)
         except BaseException as exc:  # noqa: BLE001 - every rank must reach the exchange
             error = exc
     return write_partitioned(plan, path, group, opts, error, sequence=sequence)

@@ -52,8 +52,6 @@ def save(obj, f, pickle_module=pickle, pickle_protocol: int = DEFAULT_PROTOCOL,
             if reason else None
         path = os.fspath(f) if isinstance(f, (str, os.PathLike)) else repr(f)
         if refusal is None:
-            _torch_api.log_api_usage("torch.save")
-            _torch_api.check_dill_version(pickle_module)
             wait_for_saves_to(path)
         save_partitioned(obj, path, group, opts, pickle_module, pickle_protocol, _disable_byteorder_record, refusal)
         return
@@ -62,8 +60,6 @@ def save(obj, f, pickle_module=pickle, pickle_protocol: int = DEFAULT_PROTOCOL,
         return _torch_api.original_save()(obj, f, pickle_module, pickle_protocol,
                                _use_new_zipfile_serialization, _disable_byteorder_record)
 
-    _torch_api.log_api_usage("torch.save")
-    _torch_api.check_dill_version(pickle_module)
     save_to_path(obj, os.fspath(f), opts, pickle_module, pickle_protocol, _disable_byteorder_record)
 
 
@@ -94,8 +90,8 @@ def save_to_path(obj, path: str, opts: Options, pickle_module=pickle, pickle_pro
     from .async_save import wait_for_saves_to
 
     wait_for_saves_to(path)  # an earlier save_async to this file lands first, never over this one
-    plan = torch_format.CheckpointPlan.of(obj, torch_format.archive_name_for(path), pickle_module,
-                                          pickle_protocol, disable_byteorder_record)
+    plan = torch_format.CheckpointPlan.for_path(obj, path, pickle_module, pickle_protocol,
+                                                disable_byteorder_record)
     return write_plan_to_path(plan, path, opts)
 
 

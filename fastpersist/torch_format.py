@@ -224,7 +224,7 @@ class CheckpointPlan:
     long the file is. The CRC-32s of byte records are known at once; those of
     storages once their bytes have been written (``set_crc``).
 
-    Build one with :meth:`of` (torch's own pickling of an object) or from
+    Build one with :meth:`for_path` (torch's own pickling of an object) or from
     record sources directly."""
 
     def __init__(self, archive_name: str, sources: list, alignment: int, compute_crc32: bool, start: int = 0):
@@ -238,11 +238,17 @@ class CheckpointPlan:
         self.size = self.central_directory_offset + len(self._layout.central_directory())
 
     @classmethod
-    def of(cls, obj, archive_name: str, pickle_module, pickle_protocol: int, disable_byteorder_record: bool,
-           serialization_id: Optional[str] = None, start: int = 0) -> "CheckpointPlan":
+    def for_path(cls, obj, path: str, pickle_module, pickle_protocol: int, disable_byteorder_record: bool,
+                 serialization_id: Optional[str] = None, start: int = 0) -> "CheckpointPlan":
         """Runs torch's own pickling (``torch.serialization._save``) and plans
-        the archive torch.save would write: the same records in the same order."""
-        from ._torch_api import pickle_into, save_settings
+        the archive torch.save would write to path: the same records, named
+        after the path as torch names them, in the same order. Every save
+        path comes through here, so torch's own checks and API-usage log do too."""
+        from ._torch_api import check_dill_version, log_api_usage, pickle_into, save_settings
+
+        log_api_usage("torch.save")
+        check_dill_version(pickle_module)
+        archive_name = archive_name_for(path)
 
         compute_crc32, alignment = save_settings()
         recorder = RecordingZipWriter()
