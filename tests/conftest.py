@@ -1,4 +1,5 @@
 import contextlib
+import fcntl
 import logging
 import os
 import subprocess
@@ -124,3 +125,19 @@ def fork_child(body) -> int:
         finally:
             os._exit(code)
     return pid
+
+
+def is_locked(path) -> bool:
+    """True if another open file description holds an flock on path (as a
+    live save does on its temporary); False if it is free or gone."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # drops our lock, if we got it

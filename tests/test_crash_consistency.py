@@ -3,7 +3,6 @@ leaves the destination exactly as it was or exactly the new checkpoint,
 never anything else; the temporary of a killed save is removed by a later
 save in the folder, and the temporary of a live save (another process or
 another thread) is left alone."""
-import fcntl
 import importlib
 import os
 import signal
@@ -17,7 +16,7 @@ import torch
 
 import fastpersist
 
-from conftest import fork_child, leftovers, vanilla_load
+from conftest import fork_child, is_locked, leftovers, vanilla_load
 
 save_module = importlib.import_module("fastpersist.save")  # fastpersist.save is the function
 
@@ -106,17 +105,8 @@ def _pause_with_locked_temporary(folder, pid, timeout=30.0) -> str:
         _, status = os.waitpid(pid, os.WUNTRACED)
         assert os.WIFSTOPPED(status), status
         path = os.path.join(folder, names[0])
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            fd = -1
-        if fd >= 0:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return path  # the stopped writer holds its lock
-            finally:
-                os.close(fd)  # drops our lock, if we got it
+        if is_locked(path):
+            return path  # the stopped writer holds its lock
         os.kill(pid, signal.SIGCONT)  # created but not locked yet: let it go on a little
         time.sleep(0.001)
     pytest.fail("no locked temporary appeared")
@@ -279,12 +269,7 @@ def test_temporary_of_another_threads_open_save_is_kept(folder, engine, monkeypa
         temps = _temporaries(folder)
         assert len(temps) == 1, temps
         temp = folder / temps[0]
-        fd = os.open(temp, os.O_RDONLY)
-        try:
-            with pytest.raises(BlockingIOError):
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        finally:
-            os.close(fd)
+        assert is_locked(temp)
         inode = os.stat(temp).st_ino
         fastpersist.save({"other": 1}, folder / "other.pt", engine=engine)
         assert save_module.remove_stale_temporaries(str(folder)) == []
