@@ -169,6 +169,11 @@ class _Temporary:
             except FileExistsError:
                 _writing.discard(path)
                 continue
+            except FileNotFoundError:
+                _writing.discard(path)
+                if not os.path.isdir(folder):
+                    raise
+                continue  # another save's clean-up removed it before the writer reopened it (O_DIRECT)
             except BaseException:
                 _writing.discard(path)
                 raise

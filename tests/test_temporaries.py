@@ -95,6 +95,27 @@ def test_a_symlink_planted_at_the_temporary_name_is_not_written_through(folder, 
     assert torch.equal(vanilla_load(folder / "ckpt.pt")["t"], OBJ["t"])
 
 
+def test_a_temporary_removed_by_another_saves_clean_up_before_it_is_locked_is_given_up(folder, monkeypatch):
+    """Between creating its temporary and locking it, a save reopens it for
+    O_DIRECT; another save's clean-up may remove it in between (the file is
+    not locked yet). The save takes another name instead of failing."""
+    writer_module = importlib.import_module("fastpersist.writer")
+    real = writer_module.open_direct
+    removed = []
+
+    def cleaned_up_first(path, flags, same_as=-1):
+        if not removed:  # what another process's clean-up does to the unlocked file
+            os.unlink(path)
+            removed.append(path)
+        return real(path, flags, same_as)
+
+    monkeypatch.setattr(writer_module, "open_direct", cleaned_up_first)
+    fastpersist.save(OBJ, folder / "ckpt.pt")
+    assert len(removed) == 1
+    assert torch.equal(vanilla_load(folder / "ckpt.pt")["t"], OBJ["t"])
+    assert leftovers(folder) == []
+
+
 def test_temporary_names_are_unpredictable(folder, monkeypatch):
     names = []
     real = save_module._keep_mode_of
