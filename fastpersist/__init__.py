@@ -10,13 +10,15 @@ from .async_save import wait_for_all as wait_for_saves
 from .load import IncompatibleKeys, load, load_into
 from .options import Options
 from .patching import is_patched, patch, unpatch
+from .release import wait_for_releases
 from .save import save
 from .torch_format import CheckpointError
 from .writer import FastFileWriter
 
 __version__ = "0.1.0"
 __all__ = ["CheckpointError", "FastFileWriter", "IncompatibleKeys", "Options", "SaveHandle", "is_patched", "load",
-           "load_into", "patch", "save", "save_async", "unpatch", "wait_for_saves", "__version__"]
+           "load_into", "patch", "save", "save_async", "unpatch", "wait_for_releases", "wait_for_saves",
+           "__version__"]
 
 
 

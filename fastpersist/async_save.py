@@ -25,6 +25,7 @@ import traceback
 from typing import Optional
 
 from . import _torch_api, torch_format
+from . import release  # noqa: F401 - registers its exit hook before ours, so it runs after ours
 from .options import Options, current_options
 
 log = logging.getLogger("fastpersist")

@@ -18,7 +18,8 @@ torch.distributed's ``all_gather_object``, so any backend works):
 4. finish: the ranks exchange their pieces' CRCs and combine them into every
    record's CRC (``fp_crc32_combine``); rank 0 writes the descriptors and the
    central directory, fsyncs, renames the temporary over the destination and
-   fsyncs the folder.
+   fsyncs the folder; the replaced file is freed in the background
+   (fastpersist.release).
 
 After each step the ranks exchange their outcome: a failure on any rank fails
 the save on every rank with the same error, rank 0 removes the temporary,
@@ -34,7 +35,7 @@ import os
 import pickle
 from typing import Optional
 
-from . import _engine, torch_format
+from . import _engine, release, torch_format
 from .options import Options
 
 PARTITION_ALIGN = 4096  # rank boundaries fall on whole blocks, so O_DIRECT writes stay whole
@@ -207,7 +208,7 @@ def write_partitioned(plan: Optional[torch_format.CheckpointPlan], path: str, gr
             if g.rank == 0:
                 _write_trailer(plan, temporary.path, opts)
                 _keep_mode_of(target, temporary.path)
-                os.replace(temporary.path, target)
+                release.replace_releasing_later(temporary.path, target)  # the old file is freed in the background
                 temporary.renamed()
                 if opts.fsync:
                     _fsync_folder(folder)

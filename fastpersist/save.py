@@ -12,7 +12,7 @@ import secrets
 import stat
 from typing import Optional
 
-from . import _torch_api, torch_format
+from . import _torch_api, release, torch_format
 from .options import Options, current_options
 from .fileio import same_file
 from .writer import FastFileWriter
@@ -109,6 +109,7 @@ def write_plan_to_path(plan: torch_format.CheckpointPlan, path: str, opts: Optio
             temporary = _Temporary.create(folder, os.path.basename(target), opts)
             writer = temporary.writer
         else:
+            # truncates in place: freeing the old blocks stays on this save's path
             writer = FastFileWriter(target, truncate=True, sole_writer=True, options=opts)
     except OSError as exc:
         raise OSError(exc.errno, f"{exc.strerror} (fastpersist: creating a file in {folder})", path) from exc
@@ -118,7 +119,9 @@ def write_plan_to_path(plan: torch_format.CheckpointPlan, path: str, opts: Optio
         writer.close()  # waits for every write; fsyncs the file with opts.fsync
         if temporary:
             _keep_mode_of(target, temporary.path)
-            os.replace(temporary.path, target)
+            # the replaced file's space is freed in the background: with online
+            # discard a plain rename over it costs ~1 s per GB, here
+            release.replace_releasing_later(temporary.path, target)
             temporary.renamed()
             if opts.fsync:
                 _fsync_folder(folder)
@@ -146,6 +149,11 @@ def write_plan_to_path(plan: torch_format.CheckpointPlan, path: str, opts: Optio
 # unlocked, and the next save into the folder removes it; a temporary whose
 # writer is alive (in this process, another one, or on another host sharing
 # the folder over NFS, where flock becomes a POSIX lock) is left alone.
+#
+# The next save also collects trash names (".<name>.fastpersist-<random>.old",
+# see fastpersist.release) that a process died before unlinking: they only
+# ever name a replaced checkpoint's data. Both kinds go to the background
+# releaser, because freeing their blocks may cost seconds.
 
 TEMPORARY_NAME = re.compile(r"^\..+\.fastpersist-[0-9a-f]{8,}\.tmp$")
 _writing: set = set()  # this process's temporaries: NFS locks do not exclude the process itself
@@ -212,22 +220,29 @@ class _Temporary:
 
 
 def remove_stale_temporaries(folder: str) -> list:
-    """Removes the temporaries of saves that died in this folder; returns their paths."""
+    """Removes the temporaries of saves that died in this folder, and the
+    trash names of processes that died before freeing them; their space is
+    freed in the background. Returns their paths."""
     try:
         names = os.listdir(folder or ".")
     except OSError:
         return []
     removed = []
     for name in names:
+        path = os.path.join(folder, name)
+        if release.TRASH_NAME.match(name):
+            if _release_stale_trash(path):
+                removed.append(path)
+            continue
         if not TEMPORARY_NAME.match(name):
             continue
-        path = os.path.join(folder, name)
         if path in _writing:
             continue
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
             continue  # gone already, or a symlink: not ours to follow
+        trash = None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -238,14 +253,38 @@ def remove_stale_temporaries(folder: str) -> list:
                 continue  # its writer is alive
             if not same_file(os.stat(path, follow_symlinks=False), st):
                 continue  # renamed into place or replaced meanwhile
+            # Still under the lock: a trash name takes the data, so unlinking
+            # the temporary is cheap. Without hard links: unlinked here, as before.
+            trash = release.link_to_trash(path, name[1:name.rindex(".fastpersist-")])
             os.unlink(path)
             removed.append(path)
-            log.info("fastpersist: removed %s (%d bytes), left by a save that did not finish", path, st.st_size)
+            log.info("fastpersist: removed %s (%d bytes), left by a save that did not finish%s", path, st.st_size,
+                     "; its space is freed in the background" if trash else "")
         except OSError:
             continue
         finally:
             os.close(fd)
+            if trash:
+                release.release_later(trash)  # after the close, or the close would free the data here
     return removed
+
+
+def _release_stale_trash(path: str) -> bool:
+    """Hands a trash name left by a process that died to the releaser,
+    unless this process is releasing it already; never a symlink or other
+    non-file planted at the name."""
+    if release.releasing(path):
+        return False
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    if not stat.S_ISREG(st.st_mode):
+        return False
+    release.release_later(path)
+    log.info("fastpersist: freeing %s (%d bytes), a replaced checkpoint's data left by a process that ended "
+             "before freeing it", path, st.st_size)
+    return True
 
 
 def _close(fd: int) -> None:

@@ -65,6 +65,9 @@ def vanilla_load(path, **kwargs):
 
 
 def leftovers(folder):
+    """fastpersist's files in folder, once this process's pending releases
+    (replaced checkpoints unlinked in the background) are done."""
+    assert fastpersist.wait_for_releases(timeout=60)
     return sorted(name for name in os.listdir(folder) if "fastpersist" in name)
 
 
@@ -109,8 +112,8 @@ def log_records(caplog):
 
 
 def fork_child(body) -> int:
-    """Forks a child that runs body() and exits 0, or 1 with a traceback on
-    stderr; returns its pid. One intra-op thread in the child: torch 2.13
+    """Forks a child that runs body() and exits 0 (once its background
+    releases are done), or 1 with a traceback on stderr; returns its pid. One intra-op thread in the child: torch 2.13
     hangs in a forked child running a parallel op after the parent used its
     thread pool."""
     pid = os.fork()
@@ -119,6 +122,8 @@ def fork_child(body) -> int:
         try:
             torch.set_num_threads(1)
             body()
+            # os._exit skips atexit: wait for background releases as a normal exit would
+            fastpersist.wait_for_releases()
             code = 0
         except BaseException:  # noqa: BLE001
             traceback.print_exc()
