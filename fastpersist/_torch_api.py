@@ -98,3 +98,24 @@ def checkpoint_offset(storage):
     """Where a storage's bytes start in the file, as torch's meta-device load
     records it (``map_location="meta"`` reads no data), or None."""
     return getattr(storage, "_checkpoint_offset", None)
+
+
+# -- torch.distributed.checkpoint ---------------------------------------------
+# fastpersist.dcp writes and reads the files of DCP's FileSystemWriter, so it
+# uses the classes DCP pickles into ``.metadata`` and the helpers its own
+# filesystem storage uses. Imported lazily: torch.distributed is heavy.
+
+def dcp_filesystem():
+    """torch.distributed.checkpoint.filesystem: _StorageInfo (pickled into
+    .metadata; the stock reader needs exactly this class), its metadata file
+    name, DCP_VERSION and the stock reader (for items fastpersist leaves to it)."""
+    import torch.distributed.checkpoint.filesystem as fs
+
+    return fs
+
+
+def dcp_narrow(tensor, offsets, lengths):
+    """The part of a saved tensor a read request asks for (resharding)."""
+    from torch.distributed._shard._utils import narrow_tensor_by_index
+
+    return narrow_tensor_by_index(tensor, offsets, lengths)

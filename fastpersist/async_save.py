@@ -356,6 +356,11 @@ def wait_for_all() -> None:
         handle._event.wait()
 
 
+def snapshot_memory() -> _SnapshotMemory:
+    """The snapshot memory of this process's saves (fastpersist.dcp stages into it too)."""
+    return _writer.memory
+
+
 def release_snapshot_memory() -> None:
     """Frees the snapshot memory that no unfinished save holds."""
     _writer.memory.clear()
