@@ -14,6 +14,9 @@ import tempfile
 import time
 from typing import Callable
 
+# one copy of what the installed `fastpersist bench` shares with these scripts
+from fastpersist.bench.common import distinct_storages, evict_from_page_cache, tensors_in, touch_all  # noqa: F401
+
 
 def common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--folder", default=None,
@@ -176,31 +179,6 @@ def raw_engine_write(source, nbytes: int, engine: str) -> Callable[[str], int]:
 # load benchmarks
 
 
-def evict_from_page_cache(path: str) -> None:
-    """Makes the next read come from the disk, as after a restart elsewhere."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def touch_all(obj) -> None:
-    """Reads every byte of every tensor, so lazy mappings pay for their faults."""
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        if obj.numel():
-            obj.sum()
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            touch_all(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            touch_all(v)
-
-
 def run_load_rounds(runner: Runner, path: str, target, engines: list[str], repeats: int,
                     vanilla: bool = True) -> None:
     """The rounds every load benchmark runs, then the report, each from a cold
@@ -271,26 +249,3 @@ def run_load_rounds(runner: Runner, path: str, target, engines: list[str], repea
         runner.report()
     finally:
         runner.close()
-
-
-def tensors_in(obj):
-    """Every tensor in nested dicts, lists and tuples."""
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from tensors_in(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from tensors_in(v)
-
-
-def distinct_storages(obj) -> list:
-    """The storages of obj's tensors, each once (a tied head shares the embedding's)."""
-    seen = {}
-    for t in tensors_in(obj):
-        s = t.untyped_storage()
-        seen.setdefault(s.data_ptr(), s)
-    return list(seen.values())

@@ -1,0 +1,161 @@
+"""What a fresh process measures for ``fastpersist bench``: one load, or one
+restart (build the model, restore it, take a first step). Started by
+common.FreshProcesses; the result goes back through a pipe as a dict:
+``{"ok": True, "seconds": ..., "phases": {...}, ...}``."""
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+
+
+def main(spec: dict, connection) -> None:
+    try:
+        result = {"ok": True, **_MEASURES[spec["kind"]](spec)}
+    except BaseException as exc:  # reported by the parent, which names the mechanism
+        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+    try:
+        connection.send(result)
+    finally:
+        connection.close()
+
+
+def _options(spec: dict):
+    from fastpersist.options import Options
+
+    return Options(**spec["options"])
+
+
+def _warm_up() -> None:
+    """torch's first operation in a process starts its thread pool: a job
+    restarting has done that long before it loads, so it is not timed here."""
+    import torch
+
+    torch.ones(1 << 16).sum()
+
+
+# ---------------------------------------------------------------------------
+# one load of a checkpoint, every byte touched
+
+
+def _load(spec: dict) -> dict:
+    import mmap
+
+    import torch
+
+    import fastpersist
+    from fastpersist.patching import original_load
+
+    from .common import options_for_load, touch_all
+
+    path, mechanism = spec["path"], spec["mechanism"]
+    options = _options(spec)
+    _warm_up()
+    size = os.path.getsize(path)
+    phases = {}
+    if mechanism == "raw engine read":
+        from fastpersist import _engine
+        from fastpersist.fileio import reading_engine
+
+        # the ceiling: reading into memory that is already there and touched,
+        # with an engine already started
+        memory = mmap.mmap(-1, -(-size // 4096) * 4096)
+        buffer = torch.frombuffer(memory, dtype=torch.uint8)
+        buffer.fill_(1)
+        _engine.release(_engine.acquire(options))
+        start = time.perf_counter()
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            with reading_engine(path, options) as (engine, direct_fd):
+                got = engine.pread_into(direct_fd, fd, buffer.data_ptr(), size, 0, path)
+        finally:
+            os.close(fd)
+        read = time.perf_counter()
+        torch.frombuffer(memory, dtype=torch.float32, count=size // 4).sum()
+        end = time.perf_counter()
+        if got != size:
+            raise EOFError(f"{path}: read {got} of {size} bytes")
+        phases = {"read": read - start, "touch": end - read}
+        return {"seconds": end - start, "phases": phases}
+
+    start = time.perf_counter()
+    if mechanism == "torch.load":
+        obj = original_load()(path, weights_only=True)
+    elif mechanism == "torch.load(mmap=True)":
+        obj = original_load()(path, weights_only=True, mmap=True)
+    elif mechanism == "fastpersist.load":
+        with options_for_load(options):
+            obj = fastpersist.load(path, weights_only=True)
+    else:
+        raise ValueError(f"unknown load mechanism {mechanism!r}")
+    loaded = time.perf_counter()
+    touch_all(obj)
+    end = time.perf_counter()
+    return {"seconds": end - start, "phases": {"load": loaded - start, "touch": end - loaded}}
+
+
+# ---------------------------------------------------------------------------
+# one restart: build the model, restore it, first step
+
+
+def _restart(spec: dict) -> dict:
+    import dataclasses
+
+    import torch
+
+    import fastpersist
+    from fastpersist.patching import original_load
+
+    from . import models
+    from .common import options_for_load
+
+    mechanism, folder = spec["mechanism"], spec["folder"]
+    config = models.ModelConfig(**spec["config"])
+    dtype = getattr(torch, spec["dtype"])
+    options = _options(spec)
+    with open(os.path.join(folder, spec["index"]), encoding="utf-8") as fh:
+        weight_map = json.load(fh)["weight_map"]
+    files = sorted(set(weight_map.values()))
+    _warm_up()
+
+    start = time.perf_counter()
+    meta = mechanism == "torch.load(mmap=True) + load_state_dict(assign=True)"
+    # init=False: a job about to restore its weights does not initialise them first
+    model = models.build(config, dtype, device="meta" if meta else "cpu", init=False)
+    built = time.perf_counter()
+    if mechanism == "fastpersist.load_into":
+        state = model.state_dict()  # shares every parameter's memory
+        for name in files:
+            target = {key: state[key] for key, file in weight_map.items() if file == name}
+            fastpersist.load_into(target, os.path.join(folder, name), **dataclasses.asdict(options))
+    else:
+        state = {}
+        for name in files:
+            path = os.path.join(folder, name)
+            if mechanism == "torch.load + load_state_dict":
+                state.update(original_load()(path, weights_only=True))
+            elif meta:
+                state.update(original_load()(path, weights_only=True, mmap=True))
+            elif mechanism == "fastpersist.load + load_state_dict":
+                with options_for_load(options):
+                    state.update(fastpersist.load(path, weights_only=True))
+            else:
+                raise ValueError(f"unknown restart mechanism {mechanism!r}")
+        model.load_state_dict(state, assign=meta)
+        del state
+    restored = time.perf_counter()
+    # The first step writes every parameter once: with torch.load(mmap=True)
+    # that is where the file's pages are read and copied on write.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0)
+    end = time.perf_counter()
+
+    restored_state = model.state_dict()  # untimed: the parent checks the values came from the files
+    checks = {key: float(restored_state[key].flatten()[:4096].double().sum()) for key in spec["check_keys"]}
+    return {"seconds": end - start, "checks": checks,
+            "phases": {"build": built - start, "restore": restored - built, "first step": end - restored}}
+
+
+_MEASURES = {"load": _load, "restart": _restart}

@@ -1,0 +1,686 @@
+"""What every ``fastpersist bench`` command shares: the folder it works in,
+dropping the page cache, the machine's description, fresh processes,
+interleaved rounds, medians, tables and the CSV and JSON files.
+
+Units: GB = 10^9 bytes, GiB = 2^30 bytes; times are medians of rounds, and
+every round runs every mechanism once, in an order that rotates from round to
+round so that drifting machine noise hits them alike.
+"""
+from __future__ import annotations
+
+import contextlib
+import csv
+import ctypes
+import dataclasses
+import json
+import mmap
+import multiprocessing
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+
+GB = 1e9
+GiB = float(1 << 30)
+MiB = 1 << 20
+ENGINE_NAMES = ("io_uring", "libaio", "psync")
+INSTALL_HINT = "pip install 'fastpersist[bench]'"
+
+
+class BenchError(Exception):
+    """A problem the user can fix (a folder, a missing package): one line, exit code 1."""
+
+
+def require(*modules: str) -> None:
+    """Fails with the install command when an optional dependency is missing."""
+    import importlib
+
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            raise BenchError(f"fastpersist bench needs the {name} package: {INSTALL_HINT}") from None
+
+
+# ---------------------------------------------------------------------------
+# the folder
+
+
+class Workspace:
+    """A fresh hidden folder inside the user's folder (default: the current
+    one, so the numbers are those of the filesystem the user works on),
+    removed with everything in it by close()."""
+
+    def __init__(self, folder: Optional[str], needs_bytes: int = 0):
+        base = os.path.abspath(folder if folder is not None else os.getcwd())
+        hint = "" if folder is not None else " (choose another with --folder)"
+        if not os.path.exists(base):
+            raise BenchError(f"folder {base} does not exist")
+        if not os.path.isdir(base):
+            raise BenchError(f"{base} is not a folder")
+        try:
+            self.path = tempfile.mkdtemp(prefix=".fastpersist-bench-", dir=base)
+        except OSError as exc:
+            raise BenchError(f"cannot write in folder {base}: {exc.strerror or exc}{hint}") from None
+        self.base = base
+        free = shutil.disk_usage(self.path).free
+        if needs_bytes and free < needs_bytes:
+            self.close()
+            raise BenchError(f"folder {base} has {free / GB:.1f} GB free; this benchmark needs about "
+                             f"{needs_bytes / GB:.1f} GB{hint}")
+
+    def file(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def close(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def check_output_paths(*paths: Optional[str]) -> None:
+    """--json/--csv/--plot targets: their folder must exist before minutes of measuring."""
+    for path in paths:
+        if not path:
+            continue
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            raise BenchError(f"cannot write {path}: folder {parent} does not exist")
+        if os.path.isdir(path):
+            raise BenchError(f"cannot write {path}: it is a folder")
+        if not os.access(parent, os.W_OK):  # also false on a read-only filesystem, even for root
+            raise BenchError(f"cannot write {path}: folder {parent} is not writable")
+
+
+def remove(path: str) -> None:
+    """Deletes a benchmark file and syncs, outside any timing: freeing a
+    file's blocks (with online discard, ~1 s per GB) must not land in the
+    next mechanism's time."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    wait_for_background_work()
+    os.sync()
+
+
+def wait_for_background_work() -> None:
+    """Waits for work fastpersist does after a call returns (freeing a replaced
+    checkpoint's blocks), where this version of fastpersist has any."""
+    import fastpersist
+
+    for name in ("wait_for_releases", "wait_for_saves"):
+        waiter = getattr(fastpersist, name, None)
+        if waiter is not None:
+            waiter()
+
+
+# ---------------------------------------------------------------------------
+# the page cache
+
+
+_PROT_READ, _MAP_SHARED = 0x1, 0x01
+
+
+def cached_fraction(path: str) -> Optional[float]:
+    """The fraction of path's pages in the page cache (mincore), or None
+    where it cannot be told."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    except (OSError, AttributeError):
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return 0.0
+        address = libc.mmap(None, size, _PROT_READ, _MAP_SHARED, fd, 0)
+        if address in (None, ctypes.c_void_p(-1).value):
+            return None
+        try:
+            pages = -(-size // mmap.PAGESIZE)
+            vector = ctypes.create_string_buffer(pages)
+            if libc.mincore(address, size, vector) != 0:
+                return None
+            return sum(b & 1 for b in vector.raw) / pages
+        finally:
+            libc.munmap(address, size)
+    finally:
+        os.close(fd)
+
+
+class CacheDropper:
+    """Makes the next read of a file come from the device, as after a restart
+    on another machine: fsync, then posix_fadvise(POSIX_FADV_DONTNEED) on the
+    file, and with mode "auto" also /proc/sys/vm/drop_caches where this
+    process may write it (root). Each drop is checked with mincore."""
+
+    DROP_CACHES = "/proc/sys/vm/drop_caches"
+
+    def __init__(self, mode: str = "auto"):
+        self.mode = mode
+        self.fadvise_error: Optional[str] = None
+        self.system_error: Optional[str] = None if mode == "auto" else "not asked for (--cache-drop file)"
+        self.system_used = False
+        self.drops = 0
+        self.most_cached: Optional[float] = None  # the largest fraction left cached after a drop
+
+    def drop(self, *paths: str) -> None:
+        for path in paths:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)  # dirty pages cannot be dropped
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            except OSError as exc:
+                self.fadvise_error = exc.strerror or str(exc)
+            finally:
+                os.close(fd)
+        if self.mode == "auto" and self.system_error is None:
+            try:
+                with open(self.DROP_CACHES, "w") as fh:
+                    fh.write("1\n")  # the page cache only; dentries and inodes stay
+                self.system_used = True
+            except OSError as exc:
+                self.system_error = exc.strerror or str(exc)
+        self.drops += 1
+        for path in paths:
+            fraction = cached_fraction(path)
+            if fraction is not None:
+                self.most_cached = max(self.most_cached or 0.0, fraction)
+
+    @property
+    def works(self) -> bool:
+        if self.most_cached is not None:
+            return self.most_cached < 0.01
+        return self.fadvise_error is None or self.system_used
+
+    def describe(self) -> str:
+        used = []
+        if self.fadvise_error is None:
+            used.append("posix_fadvise(POSIX_FADV_DONTNEED) on the file after fsync")
+        if self.system_used:
+            used.append(f"{self.DROP_CACHES} (root)")
+        text = "dropped before every read with " + " and ".join(used) if used else "NOT dropped"
+        if self.mode == "auto" and not self.system_used and self.system_error:
+            text += f"; {self.DROP_CACHES} not used ({self.system_error})"
+        if self.fadvise_error:
+            text += f"; posix_fadvise failed ({self.fadvise_error})"
+        if self.most_cached is not None:
+            text += f"; mincore after each drop: at most {100 * self.most_cached:.1f}% of a file still cached"
+        if not self.works:
+            text += " -- WARNING: the page cache could not be dropped, so reads may come from memory, not the device"
+        return text
+
+    def as_dict(self) -> dict:
+        return {"mode": self.mode, "fadvise": self.fadvise_error is None, "fadvise_error": self.fadvise_error,
+                "drop_caches": self.system_used, "drop_caches_error": self.system_error, "drops": self.drops,
+                "most_cached_fraction": self.most_cached, "works": self.works, "text": self.describe()}
+
+
+def fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------
+# tensors
+
+
+def tensors_in(obj) -> Iterator:
+    """Every tensor in nested dicts, lists and tuples."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from tensors_in(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from tensors_in(v)
+
+
+def distinct_storages(obj) -> list:
+    """The storages of obj's tensors, each once (a tied head shares the embedding's)."""
+    seen = {}
+    for t in tensors_in(obj):
+        s = t.untyped_storage()
+        seen.setdefault(s.data_ptr(), s)
+    return list(seen.values())
+
+
+def storage_bytes(obj) -> int:
+    return sum(s.nbytes() for s in distinct_storages(obj))
+
+
+def touch_all(obj) -> None:
+    """Reads every byte of every tensor, so lazy mappings pay for their faults."""
+    for t in tensors_in(obj):
+        if t.numel():
+            t.sum()
+
+
+def evict_from_page_cache(path: str) -> None:
+    """fsync and POSIX_FADV_DONTNEED on one file (the benchmarks/ scripts' eviction)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------
+# engines and options
+
+
+def usable_engines(wanted: Sequence[str], options) -> list:
+    """The engines of wanted that start here, in the order given; raises BenchError naming why one cannot."""
+    from fastpersist import _engine
+
+    compiled = _engine.compiled_engines()
+    usable = []
+    for kind in wanted:
+        if kind not in compiled:
+            raise BenchError(f"engine {kind} is not compiled into this fastpersist build (compiled: "
+                             f"{', '.join(compiled) or 'none'})")
+        try:
+            _engine.release(_engine.acquire(options.replace(engine=kind)))
+        except OSError as exc:
+            raise BenchError(f"engine {kind} cannot start here: {exc.strerror or exc}") from None
+        usable.append(kind)
+    return usable
+
+
+def resolve_engines(selection: str, options) -> tuple:
+    """(engines, how they were chosen) for --engines: auto, all or a list."""
+    from fastpersist import _engine
+
+    if selection == "auto":
+        engine = _engine.acquire(options.replace(engine="auto"))
+        kind = engine.kind
+        _engine.release(engine)
+        return [kind], f"{kind} (what engine=auto picks here)"
+    if selection == "all":
+        usable = []
+        for kind in ENGINE_NAMES:
+            try:
+                usable += usable_engines([kind], options)
+            except BenchError:
+                pass
+        if not usable:
+            raise BenchError("no fastpersist engine can start here")
+        return usable, "every engine that starts here"
+    return usable_engines(selection.split(","), options), "as asked"
+
+
+def bench_options(**overrides):
+    """The settings a program would get (defaults, FASTPERSIST_* variables),
+    with fsync forced on: every mechanism here makes its file durable."""
+    from fastpersist.options import from_environment
+
+    return from_environment().replace(fsync=True, **overrides)
+
+
+@contextlib.contextmanager
+def options_for_load(options):
+    """fastpersist.load takes its settings from patch()/the environment; set them for one call."""
+    from fastpersist import options as options_module
+
+    previous = options_module._patched_options
+    options_module.set_patched_options(options)
+    try:
+        yield
+    finally:
+        options_module.set_patched_options(previous)
+
+
+def options_text(options) -> str:
+    parts = []
+    for field in dataclasses.fields(options):
+        value = getattr(options, field.name)
+        if isinstance(value, bool):
+            value = int(value)
+        elif field.name in ("buffer_size", "request_size") and value % MiB == 0:
+            value = f"{value // MiB}M"
+        parts.append(f"{field.name}={value}")
+    return " ".join(parts)
+
+
+# ---------------------------------------------------------------------------
+# the machine
+
+
+def _first_line_with(path: str, prefix: str) -> Optional[str]:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                if line.startswith(prefix):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def _read(path: str) -> Optional[str]:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            return fh.read().strip()
+    except OSError:
+        return None
+
+
+def block_device_of(source: Optional[str]) -> dict:
+    """Model, rotational flag and I/O scheduler of /dev/<name> (its disk's, for a partition)."""
+    if not source or not source.startswith("/dev/"):
+        return {}
+    name = os.path.basename(os.path.realpath(source))
+    sys_dir = os.path.realpath(f"/sys/class/block/{name}")
+    if not os.path.isdir(sys_dir):
+        return {}
+    if os.path.exists(os.path.join(sys_dir, "partition")):
+        sys_dir = os.path.dirname(sys_dir)
+    scheduler = _read(os.path.join(sys_dir, "queue", "scheduler")) or ""
+    active = scheduler[scheduler.find("[") + 1:scheduler.find("]")] if "[" in scheduler else scheduler or None
+    rotational = _read(os.path.join(sys_dir, "queue", "rotational"))
+    return {"name": os.path.basename(sys_dir), "model": _read(os.path.join(sys_dir, "device", "model")),
+            "rotational": None if rotational is None else rotational == "1", "scheduler": active}
+
+
+def machine_info(folder: str) -> dict:
+    import torch
+
+    import fastpersist
+    from fastpersist.cli import filesystem_of, probe_o_direct
+
+    fs = filesystem_of(folder)
+    mem_total = _first_line_with("/proc/meminfo", "MemTotal")
+    mem_available = _first_line_with("/proc/meminfo", "MemAvailable")
+    return {
+        "cpus": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "cpu_model": _first_line_with("/proc/cpuinfo", "model name") or platform.processor() or None,
+        "memory_bytes": int(mem_total.split()[0]) * 1024 if mem_total else None,
+        "memory_available_bytes": int(mem_available.split()[0]) * 1024 if mem_available else None,
+        "kernel": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "fastpersist": fastpersist.__version__,
+        "folder": folder,
+        "filesystem": fs,
+        "device": block_device_of(fs["source"]) if fs else {},
+        "o_direct": probe_o_direct(folder),
+    }
+
+
+def machine_lines(info: dict) -> list:
+    memory = f"{info['memory_bytes'] / GiB:.1f} GiB RAM" if info["memory_bytes"] else "RAM unknown"
+    cpus = f"{info['cpus']} CPUs"
+    if info["cpus_usable"] and info["cpus_usable"] != info["cpus"]:
+        cpus += f" ({info['cpus_usable']} usable)"
+    lines = [f"machine: {cpus} ({info['cpu_model'] or 'unknown model'}), {memory}, {info['kernel']}, "
+             f"python {info['python']}, torch {info['torch']} ({info['torch_threads']} threads), "
+             f"fastpersist {info['fastpersist']}"]
+    fs = info["filesystem"]
+    if fs:
+        where = f"{fs['type']} on {fs['source']} (mounted at {fs['mount_point']}"
+        if fs.get("options"):
+            where += f"; options {fs['options']}"
+            if fs.get("super_options"):
+                where += f"; {fs['super_options']}"
+        where += ")"
+    else:
+        where = "filesystem unknown"
+    device = info["device"]
+    if device:
+        kind = {True: "rotational", False: "non-rotational", None: "rotational?"}[device["rotational"]]
+        where += (f"; device {device['name']}" + (f" {device['model']}" if device["model"] else "")
+                  + f", {kind}, scheduler {device['scheduler']}")
+    lines.append(f"folder: {info['folder']} -- {where}; O_DIRECT {info['o_direct']}")
+    return lines
+
+
+# ---------------------------------------------------------------------------
+# fresh processes
+
+
+class FreshProcesses:
+    """Runs one measurement per new process, as after a restart.
+
+    The processes are forked by a multiprocessing fork server that has only
+    imported torch and fastpersist: each starts with none of this process's
+    memory, engines or cached allocations, and the seconds it would spend
+    importing torch (which no checkpoint format changes) are not counted.
+    The server is started at once, so its imports overlap the set-up."""
+
+    def __init__(self):
+        # the server and its children read the environment as it is now
+        os.environ["FASTPERSIST_AUTOPATCH"] = "0"
+        self._context = multiprocessing.get_context("forkserver")
+        self._context.set_forkserver_preload(["torch", "fastpersist", "fastpersist.bench.child",
+                                              "fastpersist.bench.common", "fastpersist.bench.models"])
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+
+    def run(self, spec: dict, timeout: float = 3600) -> dict:
+        from . import child
+
+        receiver, sender = self._context.Pipe(duplex=False)
+        process = self._context.Process(target=child.main, args=(spec, sender), daemon=True)
+        process.start()
+        sender.close()
+        try:
+            if not receiver.poll(timeout):
+                process.kill()
+                raise BenchError(f"a fresh process measuring {spec.get('mechanism')} took more than {timeout:.0f} s")
+            try:
+                result = receiver.recv()
+            except EOFError:
+                process.join()
+                raise BenchError(f"the fresh process measuring {spec.get('mechanism')} died "
+                                 f"(exit code {process.exitcode}; out of memory?)") from None
+        finally:
+            receiver.close()
+        process.join()
+        if not result.get("ok"):
+            sys.stderr.write(result.get("traceback", ""))
+            raise BenchError(f"{spec.get('mechanism')} failed in a fresh process: {result.get('error')}")
+        return result
+
+
+# ---------------------------------------------------------------------------
+# timing
+
+
+def rotated(items: Sequence, round_index: int) -> list:
+    """Round r starts with item r (mod n): each mechanism runs first once in n rounds."""
+    if not items:
+        return []
+    k = round_index % len(items)
+    return list(items[k:]) + list(items[:k])
+
+
+class PhaseClock:
+    """Seconds spent inside functions, by name, while hooks are installed.
+
+    hook(owner, attribute, name) replaces a function, method or classmethod
+    with a timing wrapper until the with-block ends; a missing attribute is
+    skipped (fastpersist's internals change; the measurement must not)."""
+
+    def __init__(self):
+        self.seconds: dict = {}
+        self._undo: list = []
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
+    def _timed(self, name: str, fn: Callable) -> Callable:
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.add(name, time.perf_counter() - start)
+        return wrapper
+
+    def hook(self, owner: Any, attribute: str, name: str) -> None:
+        raw = owner.__dict__.get(attribute) if isinstance(owner, type) else getattr(owner, attribute, None)
+        if raw is None:
+            return
+        if isinstance(raw, classmethod):
+            replacement: Any = classmethod(self._timed(name, raw.__func__))
+        elif isinstance(raw, staticmethod):
+            replacement = staticmethod(self._timed(name, raw.__func__))
+        elif callable(raw):
+            replacement = self._timed(name, raw)
+        else:
+            return
+        setattr(owner, attribute, replacement)
+        self._undo.append((owner, attribute, raw))
+
+    def unhook(self) -> None:
+        while self._undo:
+            owner, attribute, raw = self._undo.pop()
+            setattr(owner, attribute, raw)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.unhook()
+
+
+@dataclasses.dataclass
+class Series:
+    """The rounds of one mechanism."""
+
+    operation: str
+    mechanism: str
+    engine: str = "-"
+    role: str = "other"  # "vanilla", "ceiling", "fastpersist" or "other": what ratios compare with
+    nbytes: int = 0
+    times: list = dataclasses.field(default_factory=list)
+    phases: dict = dataclasses.field(default_factory=dict)  # name -> [seconds per round]
+    extra: dict = dataclasses.field(default_factory=dict)
+
+    def add(self, seconds: float, phases: Optional[dict] = None) -> None:
+        self.times.append(seconds)
+        for name, value in (phases or {}).items():
+            self.phases.setdefault(name, []).append(value)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.nbytes / GB / self.median if self.median > 0 else float("inf")
+
+    @property
+    def gib_per_s(self) -> float:
+        return self.nbytes / GiB / self.median if self.median > 0 else float("inf")
+
+    def phase_medians(self) -> dict:
+        return {name: statistics.median(values) for name, values in self.phases.items()}
+
+
+def ratio(reference: Optional[Series], series: Series) -> Optional[float]:
+    """How many times faster series is than reference (reference time / series time)."""
+    if reference is None or not reference.times or not series.times or series.median <= 0:
+        return None
+    return reference.median / series.median
+
+
+def phases_text(phases: dict) -> str:
+    return ", ".join(f"{name} {seconds:.3f}" for name, seconds in phases.items())
+
+
+def series_row(series: Series, x_vanilla: Optional[float], x_ceiling: Optional[float], **columns) -> dict:
+    """One result as JSON-friendly values (phases as a dict, times as a list)."""
+    return {**columns, "operation": series.operation, "mechanism": series.mechanism, "engine": series.engine,
+            "bytes": series.nbytes, "rounds": len(series.times), "median_s": series.median,
+            "min_s": min(series.times), "max_s": max(series.times), "gb_per_s": series.gb_per_s,
+            "gib_per_s": series.gib_per_s, "x_vanilla": x_vanilla, "x_ceiling": x_ceiling,
+            "phases_s": series.phase_medians(), "times_s": list(series.times), **series.extra}
+
+
+# ---------------------------------------------------------------------------
+# output
+
+
+def fmt(value: Optional[float], digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], right: Iterable[int] = ()) -> list:
+    """Text table lines; columns in right are right-aligned."""
+    rows = [[str(cell) for cell in row] for row in rows]
+    right = set(right)
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+
+    def line(cells):
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return [line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows]
+
+
+def write_json(path: str, document: dict) -> None:
+    try:
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(document, fh, indent=2, default=str)
+            fh.write("\n")
+    except OSError as exc:
+        raise BenchError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def write_csv(path: str, rows: list, columns: Sequence[str]) -> None:
+    """One line per row; dict values become name=value;... and lists ;-separated."""
+    def cell(value):
+        if isinstance(value, dict):
+            return ";".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in value.items())
+        if isinstance(value, (list, tuple)):
+            return ";".join(f"{v:.6g}" if isinstance(v, float) else str(v) for v in value)
+        if isinstance(value, float):
+            return f"{value:.6g}"
+        return "" if value is None else value
+
+    try:
+        with open(path, "w", newline="", encoding="utf-8") as fh:
+            writer = csv.DictWriter(fh, fieldnames=list(columns), extrasaction="ignore")
+            writer.writeheader()
+            for row in rows:
+                writer.writerow({k: cell(row.get(k)) for k in columns})
+    except OSError as exc:
+        raise BenchError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def progress(total: int, description: str):
+    """A tqdm bar on stderr (hidden when stderr is not a terminal)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=description, unit="run", disable=None, leave=False, file=sys.stderr,
+                dynamic_ncols=True)
+
+
+def echo(line: str = "") -> None:
+    print(line, flush=True)
+
+
+def notice(line: str) -> None:
+    """Progress words on stderr, so stdout holds only the report."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def format_exception(exc: BaseException) -> str:
+    return "".join(traceback.format_exception_only(type(exc), exc)).strip()
