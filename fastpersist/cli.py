@@ -1,9 +1,11 @@
-"""The ``fastpersist`` command line: ``fastpersist info [--folder PATH] [--json]``.
+"""The ``fastpersist`` command line: ``fastpersist info [--folder PATH] [--json]``
+and ``fastpersist bench [sweep|restart] [...]``.
 
 Each subcommand is a ``_cmd_<name>(args) -> int`` function registered in
-``_build_parser``; add new ones (``bench``, ...) the same way. Importing this
-module builds nothing and touches no GPU: the C engine is loaded and CUDA is
-queried only while a command runs.
+``_build_parser``; add new ones the same way. Importing this module builds
+nothing and touches no GPU: the C engine is loaded and CUDA is queried only
+while a command runs, and the benchmarks (fastpersist.bench) are imported
+only by ``bench``.
 """
 from __future__ import annotations
 
@@ -66,7 +68,8 @@ def _unescape_mountinfo(field: str) -> str:
 
 
 def filesystem_of(folder: str, mountinfo: str = "/proc/self/mountinfo") -> Optional[dict]:
-    """The mount holding folder: {'type', 'mount_point', 'source'}, or None."""
+    """The mount holding folder: {'type', 'mount_point', 'source', 'options',
+    'super_options'} (the mount's and the filesystem's options), or None."""
     path = os.path.realpath(folder)
     best: Optional[dict] = None
     try:
@@ -90,7 +93,8 @@ def filesystem_of(folder: str, mountinfo: str = "/proc/self/mountinfo") -> Optio
         # ">=": a later mount on the same point hides the earlier one
         if best is None or len(mount_point) >= len(best["mount_point"]):
             best = {"type": fields[sep + 1], "mount_point": mount_point,
-                    "source": _unescape_mountinfo(fields[sep + 2])}
+                    "source": _unescape_mountinfo(fields[sep + 2]), "options": fields[5],
+                    "super_options": fields[sep + 3] if len(fields) > sep + 3 else ""}
     return best
 
 
@@ -326,6 +330,173 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------
+# bench
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    """Runs `fastpersist bench [sweep|restart]`; a problem the user can fix
+    (folder, missing package, engine) is one line on stderr and exit code 1."""
+    from .bench.common import BenchError
+
+    command = args.bench_command or "default"
+    try:
+        if command == "sweep":
+            from .bench import sweep as module
+        elif command == "restart":
+            from .bench import restart as module
+        else:
+            from .bench import default as module
+        return module.run(args)
+    except BenchError as exc:
+        print(f"fastpersist bench: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("fastpersist bench: interrupted", file=sys.stderr)
+        return 130
+
+
+def _positive_float(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    if not number > 0 or number == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number: {value!r}")
+    return number
+
+
+def _positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {value!r}")
+    return number
+
+
+def _list_of(item_type, what: str):
+    """A comma-separated list of item_type values, none repeated."""
+    def parse(value: str) -> list:
+        items = [item_type(part.strip()) for part in value.split(",") if part.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"expected one or more {what}, comma-separated")
+        return list(dict.fromkeys(items))
+    return parse
+
+
+def _engines_argument(value: str) -> str:
+    from .options import ENGINES
+
+    if value in ("auto", "all"):
+        return value
+    names = [part.strip() for part in value.split(",") if part.strip()]
+    unknown = [n for n in names if n not in ENGINES or n == "auto"]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected auto, all, or a comma-separated list of "
+                                         "io_uring, libaio, psync")
+    return ",".join(dict.fromkeys(names))
+
+
+def _option_values(name: str, scale: int = 1):
+    """A list for one engine option, each value checked as fastpersist.Options checks it."""
+    from .options import Options
+
+    def parse(value: str) -> int:
+        try:
+            number = float(value) * scale
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+        if number != int(number):
+            raise argparse.ArgumentTypeError(f"{value!r} is not a whole number of bytes")
+        try:
+            Options(**{name: int(number), **({"request_size": 4096} if name == "buffer_size" else {})})
+        except (ValueError, TypeError) as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return int(number)
+    return _list_of(parse, name.replace("_", " ") + " values")
+
+
+def _common_bench_arguments(parser: argparse.ArgumentParser, repeats: int, csv: Optional[str] = None) -> None:
+    parser.add_argument("--folder", default=None,
+                        help="an existing folder on the filesystem to measure; the benchmark works in a "
+                             "temporary folder inside it and removes it (default: the current folder)")
+    parser.add_argument("--repeats", type=_positive_int, default=repeats, metavar="N",
+                        help=f"rounds; medians are reported (default: {repeats})")
+    parser.add_argument("--cache-drop", choices=("auto", "file"), default="auto",
+                        help="auto: posix_fadvise(DONTNEED) on each file, and /proc/sys/vm/drop_caches where "
+                             "writable (root); file: posix_fadvise only, leaving other processes' cache alone "
+                             "(default: auto)")
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON too")
+    parser.add_argument("--csv", metavar="PATH", default=csv,
+                        help="write the results as CSV" + (f" (default: {csv})" if csv else " too"))
+
+
+def _add_bench_parser(commands) -> None:
+    bench = commands.add_parser(
+        "bench", help="measure save and load on this machine against torch.save/torch.load",
+        description="Measure fastpersist on this machine's disk: save to a new file and over an existing one, "
+                    "load in a fresh process and in the same one, load_into, each against vanilla torch and "
+                    "the raw engine, on a ~2 GB model with random weights. 'sweep' tunes the engine "
+                    "options; 'restart' characterises LLM restarts.")
+    bench.add_argument("--size", type=_positive_float, default=2.0, metavar="GB",
+                       help="checkpoint size in GB (10^9 bytes): a GPT-2-shaped model with as many layers as "
+                            "come closest (default: 2)")
+    bench.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                       help="parameter dtype (default: float32)")
+    bench.add_argument("--engines", type=_engines_argument, default="auto",
+                       help="auto (the engine fastpersist picks here), all, or a list such as io_uring,libaio "
+                            "(default: auto)")
+    _common_bench_arguments(bench, repeats=3)
+    bench.set_defaults(func=_cmd_bench, bench_command=None)
+    kinds = bench.add_subparsers(dest="bench_command", metavar="{sweep,restart}")
+
+    sweep = kinds.add_parser(
+        "sweep", help="buffer size x buffers x queue depth x engine (x file size): GB/s, CSV and a plot",
+        description="Sweep the engine options for fastpersist.save (new file) and fastpersist.load_into "
+                    "(from a dropped page cache): buffer size x number of buffers x queue depth x engine x file "
+                    "size. Writes a CSV and a PNG plot of GB/s and says how the defaults compare with the best.")
+    sweep.add_argument("--size", type=_list_of(_positive_float, "sizes in GB"), default=[0.5], metavar="GB[,GB]",
+                       help="checkpoint size(s) in GB (default: 0.5)")
+    sweep.add_argument("--buffer-sizes", type=_option_values("buffer_size", 1 << 20), default=[4 << 20, 16 << 20,
+                       64 << 20], metavar="MiB,...", help="buffer sizes in MiB (default: 4,16,64)")
+    sweep.add_argument("--num-buffers", type=_option_values("num_buffers"), default=[2, 4], metavar="N,...",
+                       help="numbers of buffers (default: 2,4)")
+    sweep.add_argument("--queue-depths", type=_option_values("queue_depth"), default=[8, 32], metavar="N,...",
+                       help="queue depths (default: 8,32)")
+    sweep.add_argument("--request-sizes", type=_option_values("request_size", 1 << 20), default=None,
+                       metavar="MiB,...", help="request sizes in MiB (default: the current setting, 1)")
+    sweep.add_argument("--engines", type=_engines_argument, default="all",
+                       help="all (every engine that starts here), auto, or a list (default: all)")
+    sweep.add_argument("--plot", metavar="PATH", default="fastpersist-sweep.png",
+                       help="PNG plot of GB/s (default: fastpersist-sweep.png)")
+    _common_bench_arguments(sweep, repeats=2, csv="fastpersist-sweep.csv")
+    sweep.set_defaults(func=_cmd_bench)
+
+    restart = kinds.add_parser(
+        "restart", help="LLM restart: checkpoint and restart times of 3B/13B/70B-shaped stand-ins",
+        description="Checkpoint and restart (build the model, restore it, first step) Llama-shaped models, "
+                    "each restart in a fresh process: torch.load + load_state_dict, torch.load(mmap=True) + "
+                    "load_state_dict(assign=True) on a meta model, fastpersist.load + load_state_dict, "
+                    "fastpersist.load_into. The models are CPU-sized stand-ins: the real models' layer shapes "
+                    "with fewer layers.")
+    restart.add_argument("--models", type=_list_of(str, "model names"), default=["3b", "13b", "70b"],
+                         metavar="NAME,...", help="stand-ins to measure: 3b, 13b, 70b, tiny (default: 3b,13b,70b)")
+    restart.add_argument("--layers", type=_positive_int, default=1, metavar="N",
+                         help="decoder layers of each stand-in (default: 1)")
+    restart.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                         help="parameter dtype (default: bfloat16)")
+    restart.add_argument("--shard-size", type=_positive_float, default=1.0, metavar="GB",
+                         help="largest file of a checkpoint, as in sharded model checkpoints (default: 1)")
+    restart.add_argument("--engine", choices=("auto", "io_uring", "libaio", "psync"), default="auto",
+                         help="the engine for fastpersist (default: auto)")
+    restart.add_argument("--plot", metavar="PATH", default="fastpersist-restart.png",
+                         help="PNG plot of the times (default: fastpersist-restart.png)")
+    _common_bench_arguments(restart, repeats=3)
+    restart.set_defaults(func=_cmd_bench)
+
+
+# ---------------------------------------------------------------------------
 # entry point
 
 
@@ -347,6 +518,7 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="folder to test for O_DIRECT and filesystem type (default: current folder)")
     info.add_argument("--json", action="store_true", help="print a JSON object instead of text")
     info.set_defaults(func=_cmd_info)
+    _add_bench_parser(commands)
     return parser
 
 
