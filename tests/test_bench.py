@@ -1,0 +1,204 @@
+"""`fastpersist bench`, `bench sweep` and `bench restart` on tiny sizes: they
+finish, write valid CSV, JSON and PNG files, and fail cleanly on bad input.
+
+The three full runs go through `python -m fastpersist` (exit codes as a user
+sees them); error cases call cli.main in this process. --cache-drop file
+keeps these runs from dropping the whole machine's page cache."""
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fastpersist import cli
+from fastpersist.bench import common, default, restart, sweep
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+pytest.importorskip("tqdm")
+pytest.importorskip("matplotlib")
+
+
+def run_bench(*argv, timeout=120):
+    out = subprocess.run([sys.executable, "-m", "fastpersist", "bench", *argv], cwd=REPO, capture_output=True,
+                         text=True, timeout=timeout)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out
+
+
+def read_csv(path):
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def only_outputs_left(folder, names):
+    """The benchmark's own folder inside --folder is gone; only what was asked for is left."""
+    assert sorted(os.listdir(folder)) == sorted(names)
+
+
+def test_default_bench(tmp_path):
+    out = run_bench("--size", "0.01", "--repeats", "1", "--cache-drop", "file", "--folder", str(tmp_path),
+                    "--json", str(tmp_path / "r.json"), "--csv", str(tmp_path / "r.csv"))
+    for text in ("x vanilla", "x ceiling", "page cache:", "machine:", "folder:", "engines:",
+                 "where the time went"):
+        assert text in out.stdout
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert {"machine", "settings", "model", "page_cache", "method", "results", "wall_s"} <= set(doc)
+    assert doc["machine"]["filesystem"]["type"] and "options" in doc["machine"]["filesystem"]
+    assert doc["page_cache"]["fadvise"] and not doc["page_cache"]["drop_caches"]
+    results = doc["results"]
+    assert {r["operation"] for r in results} == {"save, new file", "save, over existing", "load, fresh process",
+                                                 "load, same process"}
+    mechanisms = {(r["operation"], r["mechanism"]) for r in results}
+    for expected in [("save, new file", "raw engine write (ceiling)"), ("load, fresh process", "torch.load(mmap=True)"),
+                     ("load, same process", "fastpersist.load_into (existing model)"),
+                     ("load, fresh process", "raw engine read (ceiling)")]:
+        assert expected in mechanisms
+    for r in results:
+        assert r["median_s"] > 0 and r["gb_per_s"] > 0 and r["rounds"] == 1
+        assert abs(r["gib_per_s"] * 2**30 - r["gb_per_s"] * 1e9) < 1e-6 * r["gb_per_s"] * 1e9
+        assert r["bytes"] == doc["model"]["file_bytes"]
+    save = next(r for r in results if r["mechanism"] == "fastpersist.save" and r["operation"] == "save, new file")
+    assert {"plan", "write", "fsync"} <= set(save["phases_s"])
+    rows = read_csv(tmp_path / "r.csv")
+    assert list(rows[0]) == default.CSV_COLUMNS and len(rows) == len(results)
+    only_outputs_left(tmp_path, ["r.json", "r.csv"])
+
+
+def test_sweep(tmp_path):
+    out = run_bench("sweep", "--size", "0.01", "--buffer-sizes", "1", "--num-buffers", "2", "--queue-depths", "4",
+                    "--engines", "auto", "--repeats", "1", "--cache-drop", "file", "--folder", str(tmp_path),
+                    "--plot", str(tmp_path / "s.png"), "--csv", str(tmp_path / "s.csv"),
+                    "--json", str(tmp_path / "s.json"))
+    assert "the defaults" in out.stdout
+    assert (tmp_path / "s.png").read_bytes()[:8] == PNG_SIGNATURE
+    rows = read_csv(tmp_path / "s.csv")
+    assert list(rows[0]) == sweep.CSV_COLUMNS
+    # the grid asked for plus the defaults, each written and read
+    assert len(rows) == 4 and {r["operation"] for r in rows} == {"write", "read"}
+    assert {r["is_default"] for r in rows} == {"True", "False"}
+    assert {r["buffer_size"] for r in rows} == {str(1 << 20), str(16 << 20)}
+    doc = json.loads((tmp_path / "s.json").read_text())
+    assert {v["operation"] for v in doc["verdicts"]} == {"write", "read"}
+    only_outputs_left(tmp_path, ["s.png", "s.csv", "s.json"])
+
+
+def test_restart(tmp_path):
+    out = run_bench("restart", "--models", "tiny", "--repeats", "1", "--shard-size", "0.004", "--cache-drop", "file",
+                    "--folder", str(tmp_path), "--plot", str(tmp_path / "r.png"), "--csv", str(tmp_path / "r.csv"),
+                    "--json", str(tmp_path / "r.json"))
+    assert "NOT the full models" in out.stdout
+    assert (tmp_path / "r.png").read_bytes()[:8] == PNG_SIGNATURE
+    rows = read_csv(tmp_path / "r.csv")
+    assert list(rows[0]) == restart.CSV_COLUMNS
+    assert [(r["phase"], r["mechanism"]) for r in rows] == (
+        [("checkpoint", m) for m in restart.CHECKPOINT] + [("restart", m) for m in restart.RESTART])
+    assert {r["files"] for r in rows} == {"2"}  # 5.8 MB in files of at most 4 MB
+    doc = json.loads((tmp_path / "r.json").read_text())
+    for r in doc["results"]:
+        if r["phase"] == "restart":
+            assert set(r["phases_s"]) == {"build", "restore", "first step"}
+    only_outputs_left(tmp_path, ["r.png", "r.csv", "r.json"])
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "--size", "0"], ["bench", "--size", "many"], ["bench", "--repeats", "0"],
+    ["bench", "--engines", "posixx"], ["bench", "--dtype", "int8"], ["bench", "--no-such-option"],
+    ["bench", "sweep", "--buffer-sizes", "0.001"], ["bench", "sweep", "--num-buffers", "1"],
+    ["bench", "sweep", "--queue-depths", "x"], ["bench", "restart", "--layers", "0"],
+    ["bench", "restart", "--engine", "all"], ["bench", "nonsense"],
+])
+def test_wrong_arguments_are_usage_errors(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    assert "usage:" in capsys.readouterr().err
+
+
+def _one_line_error(argv, capsys) -> str:
+    assert cli.main(argv) == 1
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fastpersist bench: error: "), captured.err
+    assert "Traceback" not in captured.err
+    return lines[0]
+
+
+def test_missing_folder_is_one_line(tmp_path, capsys):
+    (tmp_path / "file").write_text("not a folder")
+    missing = tmp_path / "file" / "sub"  # fails for root too
+    assert "does not exist" in _one_line_error(["bench", "--size", "0.01", "--folder", str(missing)], capsys)
+    assert "does not exist" in _one_line_error(["bench", "restart", "--models", "tiny", "--folder", str(missing),
+                                                "--plot", str(tmp_path / "p.png")], capsys)
+
+
+def test_unwritable_folder_is_one_line(capsys, tmp_path):
+    if not os.path.isdir("/sys") or _mkdir_works("/sys"):
+        pytest.skip("no folder here that refuses new files to everyone")
+    line = _one_line_error(["bench", "sweep", "--size", "0.01", "--folder", "/sys",
+                            "--plot", str(tmp_path / "p.png"), "--csv", str(tmp_path / "c.csv")], capsys)
+    assert "cannot write in folder /sys" in line
+
+
+def _mkdir_works(folder):
+    try:
+        os.rmdir(__import__("tempfile").mkdtemp(dir=folder))
+        return True
+    except OSError:
+        return False
+
+
+def test_output_in_missing_folder_is_one_line(tmp_path, capsys):
+    line = _one_line_error(["bench", "--size", "0.01", "--folder", str(tmp_path),
+                            "--json", str(tmp_path / "nowhere" / "r.json")], capsys)
+    assert "nowhere" in line
+    assert os.listdir(tmp_path) == []
+
+
+def test_missing_package_names_the_extra(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm now fails
+    line = _one_line_error(["bench", "--size", "0.01", "--folder", str(tmp_path)], capsys)
+    assert "pip install 'fastpersist[bench]'" in line
+
+
+# -- pieces ---------------------------------------------------------------------
+
+
+def test_rotation_runs_each_mechanism_first_once():
+    items = ["a", "b", "c"]
+    assert [common.rotated(items, r)[0] for r in range(3)] == items
+    assert sorted(common.rotated(items, 5)) == items
+
+
+def test_sharding_keeps_tied_tensors_together():
+    entries = [("embed", 6, 1), ("layer", 3, 2), ("norm", 1, 3), ("head", 6, 1), ("big", 20, 4)]
+    assert restart.shard(entries, 8) == [["embed", "head"], ["layer", "norm"], ["big"]]
+
+
+def test_default_model_comes_close_to_the_size():
+    import torch
+
+    from fastpersist.bench import models
+
+    for gb in (0.01, 0.2, 2.0):
+        config, _, _ = default.sized_model(int(gb * 1e9), torch.float32)
+        assert abs(models.param_bytes(config, torch.float32) / 1e9 - gb) < max(0.1 * gb, 0.01)
+
+
+def test_cache_dropper_checks_with_mincore(tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(1 << 20))
+    fraction = common.cached_fraction(str(path))
+    assert fraction is None or fraction > 0.5  # just written: cached
+    dropper = common.CacheDropper("file")
+    dropper.drop(str(path))
+    assert dropper.works and "posix_fadvise" in dropper.describe()
+    assert dropper.most_cached is None or dropper.most_cached < 0.01
+
+
+def test_filesystem_of_reports_mount_options(tmp_path):
+    fs = cli.filesystem_of(str(tmp_path))
+    assert fs is not None and fs["options"].startswith(("rw", "ro"))
