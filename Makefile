@@ -1,6 +1,7 @@
 # fastpersist set-up: every target installs what it needs on a fresh Debian
 # machine (as root, or with sudo), then does its job.
-#   make bench   the default save and load benchmarks (2 GB tensor, temporary folder)
+#   make bench   `fastpersist bench`: save and load of a ~2 GB model against vanilla torch and the raw
+#                engine, in a temporary folder under the current one (BENCH_ARGS=... passes options)
 #   make test    the test suite
 #   make sanitize  the C engine built with ASan and UBSan into build/sanitize/
 #                and the engine, save, fault and temporary-file tests run against it (tests/run_sanitized.sh);
@@ -10,7 +11,7 @@ PIP := $(PYTHON) -m pip
 TORCH_VERSION ?= 2.13.0
 DEBS := build-essential liburing-dev libaio-dev libisal-dev zlib1g-dev e2fsprogs libcap2-bin mount
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-BENCH_ARGS ?= --size 2 --repeats 3
+BENCH_ARGS ?=
 
 .PHONY: deps build bench bench-model test sanitize clean
 
@@ -23,14 +24,14 @@ deps:
 	@# torch first, pinned: the CPU build; an open requirement would pull CUDA wheels
 	@$(PYTHON) -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$(TORCH_VERSION)')" 2>/dev/null \
 		|| $(PIP) install -q torch==$(TORCH_VERSION)
-	$(PIP) install -q "cffi>=1.15" "setuptools>=64" wheel "pytest>=7" numpy hypothesis
+	$(PIP) install -q "cffi>=1.15" "setuptools>=64" wheel "pytest>=7" numpy hypothesis tqdm matplotlib pytest-benchmark
 
 build: deps
 	$(PIP) install -q --no-build-isolation -e .
 
+# the same command as the `fastpersist` console script, with this interpreter
 bench: build
-	$(PYTHON) benchmarks/torch_save_tensor.py $(BENCH_ARGS)
-	$(PYTHON) benchmarks/torch_load_tensor.py $(BENCH_ARGS)
+	$(PYTHON) -m fastpersist bench $(BENCH_ARGS)
 
 bench-model: build
 	$(PYTHON) benchmarks/torch_save_model.py --model gpt2-large --repeats 3
