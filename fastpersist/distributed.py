@@ -208,10 +208,10 @@ def write_partitioned(plan: Optional[torch_format.CheckpointPlan], path: str, gr
             if g.rank == 0:
                 _write_trailer(plan, temporary.path, opts)
                 _keep_mode_of(target, temporary.path)
-                release.replace_releasing_later(temporary.path, target)  # the old file is freed in the background
-                temporary.renamed()
-                if opts.fsync:
-                    _fsync_folder(folder)
+                with release.replacing(temporary.path, target):  # the old file is freed in the background, after
+                    temporary.renamed()
+                    if opts.fsync:
+                        _fsync_folder(folder)
         except BaseException as exc:  # noqa: BLE001
             error = exc
         g.agree("finished the file", path, error, replaced=temporary is not None and temporary.in_place)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import errno
 import logging
 import multiprocessing.util
@@ -141,19 +142,27 @@ def link_to_trash(path: str, name: Optional[str] = None) -> Optional[str]:
     return None
 
 
+@contextlib.contextmanager
+def replacing(new_path: str, target: str):
+    """os.replace(new_path, target) on entry; the file replaced is handed to
+    the background releaser on exit, whatever happens in the block. Fsync
+    the folder inside the block: an unlink in flight would hold that fsync
+    up. Raises what os.replace raises; target then still names its file."""
+    trash = link_to_trash(target)
+    try:
+        os.replace(new_path, target)  # without a trash name (no old file, no hard links): the plain way
+        yield
+    finally:
+        if trash:
+            # After a failed replace the trash is a second name of the file still at target: cheap to drop.
+            release_later(trash)
+
+
 def replace_releasing_later(new_path: str, target: str) -> None:
     """os.replace(new_path, target), except that the file replaced is freed
-    by the background releaser, not by the rename. Raises what os.replace
-    raises; target then still names its file."""
-    trash = link_to_trash(target)
-    if trash is None:
-        os.replace(new_path, target)  # no old file, or no hard links: the plain way
-        return
-    try:
-        os.replace(new_path, target)
-    finally:
-        # After a failed replace the trash is a second name of the file still at target: cheap to drop.
-        release_later(trash)
+    by the background releaser, not by the rename."""
+    with replacing(new_path, target):
+        pass
 
 
 def release_later(path: str) -> None:
@@ -200,5 +209,5 @@ def _forget_in_child() -> None:
 atexit.register(_at_exit)
 os.register_at_fork(after_in_child=_forget_in_child)
 
-__all__ = ["TRASH_NAME", "link_to_trash", "release_later", "releasing", "replace_releasing_later",
+__all__ = ["TRASH_NAME", "link_to_trash", "release_later", "releasing", "replace_releasing_later", "replacing",
            "wait_for_releases"]

@@ -119,12 +119,12 @@ def write_plan_to_path(plan: torch_format.CheckpointPlan, path: str, opts: Optio
         writer.close()  # waits for every write; fsyncs the file with opts.fsync
         if temporary:
             _keep_mode_of(target, temporary.path)
-            # the replaced file's space is freed in the background: with online
-            # discard a plain rename over it costs ~1 s per GB, here
-            release.replace_releasing_later(temporary.path, target)
-            temporary.renamed()
-            if opts.fsync:
-                _fsync_folder(folder)
+            # The replaced file's space is freed in the background, after the
+            # block: with online discard a plain rename over it costs ~1 s per GB.
+            with release.replacing(temporary.path, target):
+                temporary.renamed()
+                if opts.fsync:
+                    _fsync_folder(folder)
     except BaseException as exc:
         writer.abort()
         if temporary:
