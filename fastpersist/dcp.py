@@ -70,6 +70,11 @@ DATA_SUFFIX = ".distcp"
 # them when replacing a checkpoint (__<rank>_<tag>_<n>.distcp)
 DATA_FILE_NAME = re.compile(r"^__\d+_(?:[0-9a-f]{8}_)?\d+\.distcp$")
 _READ_BATCH = 256 << 20  # bytes read ahead of copying out: bounds the staging memory of a load
+# bytes read at each end of a tensor's archive to find its data: its small
+# records lie there, and the end record is looked for in the last 69,653
+# bytes (where miniz, and so torch.load, looks)
+_EDGE = 80 << 10
+_DIRECT_MIN = 4 * _EDGE  # smaller tensors are staged whole: one read, no second pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -349,22 +354,83 @@ class FastPersistReader(StorageReader):
     # -- reading ------------------------------------------------------------
     def _read_file(self, path: str, items: list, planner: LoadPlanner, opts: Options,
                    staging: "_StagingMemory") -> None:
-        """Reads the items of one data file in batches of at most _READ_BATCH
-        bytes (or one larger item), each batch in one pass of the engine."""
-        items = sorted(items, key=lambda it: self.storage_data[it.storage_index].offset)
+        """Reads the items of one data file. Tensors that land whole in a
+        contiguous CPU tensor of the same dtype are read straight into it
+        (their archives' small records first, to find the bytes); the rest
+        is read into staging memory in batches of at most _READ_BATCH bytes
+        (or one larger item) and copied out."""
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             with reading_engine(path, opts) as (engine, direct_fd):
+                large = [it for it in items if it.type != LoadItemType.BYTE_IO and self._length(it) >= _DIRECT_MIN]
+                small = [it for it in items if not (it.type != LoadItemType.BYTE_IO and self._length(it) >= _DIRECT_MIN)]
+                direct, staged = self._plan_direct(path, large, planner, engine, direct_fd, fd, staging)
+                if direct:
+                    self._read_extents(path, engine, direct_fd, fd,
+                                       [(target.data_ptr(), start, n) for _, target, start, n in direct])
+                    for item, target, _, _ in direct:
+                        planner.commit_tensor(item, target)
+                staged = sorted(staged + small, key=lambda it: self.storage_data[it.storage_index].offset)
                 start = 0
-                while start < len(items):
+                while start < len(staged):
                     end, total = start, 0
-                    while end < len(items) and (end == start or total + self._length(items[end]) <= _READ_BATCH):
-                        total += self._length(items[end])
+                    while end < len(staged) and (end == start or total + self._length(staged[end]) <= _READ_BATCH):
+                        total += self._length(staged[end])
                         end += 1
-                    self._read_batch(path, items[start:end], planner, engine, direct_fd, fd, staging.get(total))
+                    self._read_batch(path, staged[start:end], planner, engine, direct_fd, fd, staging.get(total))
                     start = end
         finally:
             os.close(fd)
+
+    def _plan_direct(self, path: str, items: list, planner: LoadPlanner, engine, direct_fd: int, fd: int,
+                     staging: "_StagingMemory"):
+        """Reads the first and last _EDGE bytes of each item's archive (every
+        record but the tensor's data lies there), works out where the
+        tensor's bytes are, and returns ([(item, target, file offset,
+        nbytes)], [items to stage])."""
+        if not items:
+            return [], []
+        memory = staging.get(2 * _EDGE * len(items))
+        extents = []
+        for i, item in enumerate(items):
+            info = self.storage_data[item.storage_index]
+            extents.append((memory.address + 2 * i * _EDGE, info.offset, _EDGE))
+            extents.append((memory.address + (2 * i + 1) * _EDGE, info.offset + info.length - _EDGE, _EDGE))
+        self._read_extents(path, engine, direct_fd, fd, extents)
+        direct, staged = [], []
+        for i, item in enumerate(items):
+            info = self.storage_data[item.storage_index]
+            head = memory.view[2 * i * _EDGE:(2 * i + 1) * _EDGE]
+            tail = memory.view[(2 * i + 1) * _EDGE:(2 * i + 2) * _EDGE]
+            where = f"{path} (bytes {info.offset}..{info.offset + info.length})"
+            placed = _locate_tensor(head, tail, info.length, where)
+            if placed is None:
+                staged.append(item)
+                continue
+            meta, data_offset = placed
+            part = _torch_api.dcp_narrow(meta, item.storage_offsets, item.lengths)
+            target = planner.resolve_tensor(item).detach()
+            if target.size() != part.size():
+                raise torch_format.CheckpointError(
+                    f"{where}: {item.storage_index.fqn} holds a {tuple(part.size())} part, "
+                    f"but the load plan expects {tuple(target.size())}")
+            if not (part.is_contiguous() and target.is_contiguous() and target.device.type == "cpu"
+                    and target.dtype == part.dtype and target.layout == torch.strided and not target.is_quantized):
+                staged.append(item)
+                continue
+            nbytes = part.numel() * part.element_size()
+            direct.append((item, target, info.offset + data_offset + part.storage_offset() * part.element_size(),
+                           nbytes))
+        return direct, staged
+
+    @staticmethod
+    def _read_extents(path: str, engine, direct_fd: int, fd: int, extents: list) -> None:
+        try:
+            read_extents(engine, direct_fd, fd, path, extents, checksums=False)
+        except EOFError:
+            raise torch_format.CheckpointError(
+                f"{path}: the file ends before the bytes its checkpoint's metadata points to; "
+                "the checkpoint is incomplete") from None
 
     def _length(self, item) -> int:
         return self.storage_data[item.storage_index].length
@@ -377,12 +443,7 @@ class FastPersistReader(StorageReader):
             placed.append((item, info, cursor))
             extents.append((memory.address + cursor, info.offset, info.length))
             cursor += -(-info.length // 64) * 64
-        try:
-            read_extents(engine, direct_fd, fd, path, extents, checksums=False)
-        except EOFError:
-            raise torch_format.CheckpointError(
-                f"{path}: the file ends before the bytes its checkpoint's metadata points to; "
-                "the checkpoint is incomplete") from None
+        self._read_extents(path, engine, direct_fd, fd, extents)
         for item, info, at in placed:
             if item.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(item, io.BytesIO(bytes(memory.view[at:at + info.length])))
@@ -398,6 +459,48 @@ class FastPersistReader(StorageReader):
             target.copy_(tensor)
             planner.commit_tensor(item, target)
             del tensor
+
+
+class _OutsideEdges(Exception):
+    """The archive's small records do not all lie in the bytes read so far."""
+
+
+def _locate_tensor(head, tail, length: int, where: str):
+    """(meta tensor, offset of its storage's bytes in the archive) for the
+    torch.save archive of `length` bytes whose first and last bytes are head
+    and tail; None where that is not enough to tell, or the bytes are not in
+    this machine's byte order (the staged path reads those as torch.load does)."""
+    import sys
+
+    def read_at(offset: int, n: int) -> bytes:
+        if offset + n <= len(head):
+            return bytes(head[offset:offset + n])
+        tail_start = length - len(tail)
+        if offset >= tail_start:
+            return bytes(tail[offset - tail_start:offset - tail_start + n])
+        raise _OutsideEdges
+
+    try:
+        index = torch_format.ArchiveIndex.read(read_at, length, where)
+        byteorder = index.lookup("byteorder")
+        if byteorder is not None and index.read_record(read_at, byteorder) != sys.byteorder.encode("ascii"):
+            return None
+        reader = torch_format.TorchArchiveReader(index, read_at)
+        # map_location="meta": shapes and where each storage's bytes start, no data
+        meta = _torch_api.unpickle_from(reader, "meta", _torch_api.weights_only_unpickler(), encoding="utf-8")
+    except _OutsideEdges:
+        return None
+    if not isinstance(meta, torch.Tensor) or meta.layout != torch.strided or meta.is_quantized or not meta.numel():
+        return None
+    storage = meta.untyped_storage()
+    data_offset = _torch_api.checkpoint_offset(storage)
+    record = index.by_data_offset().get(data_offset)
+    item = meta.element_size()
+    view_end = (meta.storage_offset() + sum((s - 1) * st for s, st in zip(meta.shape, meta.stride())) + 1) * item
+    if record is None or storage.nbytes() != record.size or view_end > record.size or meta.storage_offset() < 0:
+        raise torch_format.CheckpointError(f"{where}: the tensor's pickle does not match its data record; "
+                                           "the file is corrupt")
+    return meta, data_offset
 
 
 def _tensor_from_archive(memory: "_Memory", at: int, length: int, where: str) -> torch.Tensor:
