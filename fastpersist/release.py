@@ -181,6 +181,13 @@ def releasing(path: str) -> bool:
         return path in _releaser.pending or path in _releaser.parents
 
 
+def pending() -> frozenset:
+    """The absolute paths this process has queued or claimed for release
+    (wait_for_releases waits for them)."""
+    with _releaser.lock:
+        return frozenset(_releaser.pending)
+
+
 def wait_for_releases(timeout: Optional[float] = None) -> bool:
     """Waits until this process's replaced checkpoints are unlinked
     (``fastpersist.wait_for_releases``); returns False if timeout ran out first.
@@ -209,5 +216,5 @@ def _forget_in_child() -> None:
 atexit.register(_at_exit)
 os.register_at_fork(after_in_child=_forget_in_child)
 
-__all__ = ["TRASH_NAME", "link_to_trash", "release_later", "releasing", "replace_releasing_later", "replacing",
-           "wait_for_releases"]
+__all__ = ["TRASH_NAME", "link_to_trash", "pending", "release_later", "releasing", "replace_releasing_later",
+           "replacing", "wait_for_releases"]
