@@ -396,6 +396,11 @@ def block_device_of(source: Optional[str]) -> dict:
             "rotational": None if rotational is None else rotational == "1", "scheduler": active}
 
 
+def memory_available() -> Optional[int]:
+    value = _first_line_with("/proc/meminfo", "MemAvailable")
+    return int(value.split()[0]) * 1024 if value else None
+
+
 def machine_info(folder: str) -> dict:
     import torch
 
@@ -617,6 +622,10 @@ def series_row(series: Series, x_vanilla: Optional[float], x_ceiling: Optional[f
 
 # ---------------------------------------------------------------------------
 # output
+
+
+def plural(count: int, word: str) -> str:
+    return f"{count} {word}{'' if count == 1 else 's'}"
 
 
 def fmt(value: Optional[float], digits: int = 2) -> str:

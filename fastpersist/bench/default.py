@@ -426,8 +426,13 @@ def run(args) -> int:
     common.check_output_paths(args.json, args.csv)
     started = time.perf_counter()
     bench = DefaultBench(args)
-    common.notice(f"fastpersist bench: about {args.size:g} GB, {args.repeats} rounds, engines "
+    common.notice(f"fastpersist bench: about {args.size:g} GB, {common.plural(args.repeats, 'round')}, engines "
                   f"{', '.join(bench.engines)}, in {bench.workspace.path} (removed afterwards)")
+    available = common.memory_available()
+    if available is not None and available < 4 * args.size * GB:
+        # the model, a loaded copy, the raw read's buffer and a fresh process's copy
+        common.notice(f"fastpersist bench: warning: {available / GB:.1f} GB of memory available; this run holds up "
+                      f"to ~{4 * args.size:.1f} GB at once")
     try:
         machine = common.machine_info(bench.workspace.path)
         series = bench.run()
@@ -451,7 +456,7 @@ def run(args) -> int:
               "time / this time (1.00 = as fast as the engine with no format; a save over an existing file compares "
               "with the raw write to a new one). GB = 1e9 bytes, GiB = 2^30.")
     echo(f"fastpersist bench: save and load a {bench.file_size / GB:.2f} GB checkpoint: "
-         f"{bench.base_name} layout, {config.layers} layers"
+         f"{bench.base_name} layout, {common.plural(config.layers, 'layer')}"
          + (f" (it has {bench.base_layers})" if config.layers != bench.base_layers else "")
          + f", hidden {config.hidden}, {bench.tensor_count} tensors, {args.dtype}, random weights "
          f"(built in {bench.build_seconds:.1f} s)")

@@ -43,7 +43,8 @@ def stand_ins() -> dict:
         "13b": ("Llama-2-13B", models.ModelConfig("llama", 5120, 40, 40, 32000, 13824, note="Llama-2-13B, 13.0B")),
         "70b": ("Llama-2-70B", models.ModelConfig("llama", 8192, 80, 64, 32000, 28672, kv_heads=8,
                                                   note="Llama-2-70B, 69.0B")),
-        "tiny": ("tiny Llama", models.ModelConfig("llama", 256, 4, 4, 4096, 768, kv_heads=2,
+        # tied head, like the 3B: the path where two keys share one storage
+        "tiny": ("tiny Llama", models.ModelConfig("llama", 256, 4, 4, 4096, 768, kv_heads=2, tie_embeddings=True,
                                                   note="tiny Llama layout for checking the benchmark")),
     }
 
@@ -206,7 +207,7 @@ def run(args) -> int:
     rows: list = []
     subjects_info = []
     common.notice(f"fastpersist bench restart: {', '.join(args.models)} ({sum(sizes.values()) / GB:.1f} GB in all), "
-                  f"{args.repeats} rounds, in {workspace.path} (removed afterwards)")
+                  f"{common.plural(args.repeats, 'round')}, in {workspace.path} (removed afterwards)")
     try:
         machine = common.machine_info(workspace.path)
         fresh = common.FreshProcesses()

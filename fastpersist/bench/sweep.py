@@ -125,8 +125,8 @@ def run(args) -> int:
                                                                      configs)) * 1.05) + (64 << 20))
     dropper = common.CacheDropper(args.cache_drop)
     series: dict = {}
-    common.notice(f"fastpersist bench sweep: {len(grid)} combinations x {len(sizes)} size(s) x {args.repeats} "
-                  f"rounds, in {workspace.path} (removed afterwards)")
+    common.notice(f"fastpersist bench sweep: {len(grid)} combinations x {common.plural(len(sizes), 'size')} x "
+                  f"{common.plural(args.repeats, 'round')}, in {workspace.path} (removed afterwards)")
     try:
         machine = common.machine_info(workspace.path)
         steps = args.repeats * len(grid) * len(sizes)
@@ -181,7 +181,7 @@ def run(args) -> int:
          "from a dropped page cache, per engine option combination")
     for size, (config, label, base_layers) in zip(sizes, configs):
         nbytes = next(r["bytes"] for r in rows if r["size_gb"] == size)
-        echo(f"checkpoint {size:g} GB: {label} layout, {config.layers} layers, {nbytes / GB:.2f} GB file, float32")
+        echo(f"checkpoint {size:g} GB: {label} layout, {common.plural(config.layers, 'layer')}, {nbytes / GB:.2f} GB file, float32")
     for line in common.machine_lines(machine):
         echo(line)
     echo(f"engines: {', '.join(engines)} -- {choice}; defaults here: {default.engine} {default.label()} "
