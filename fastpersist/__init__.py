@@ -7,7 +7,7 @@ import os
 
 from .async_save import SaveHandle, save_async
 from .async_save import wait_for_all as wait_for_saves
-from .load import IncompatibleKeys, load, load_into
+from .load import IncompatibleKeys, load, load_into, release_load_memory
 from .options import Options
 from .patching import is_patched, patch, unpatch
 from .release import wait_for_releases
@@ -17,7 +17,7 @@ from .writer import FastFileWriter
 
 __version__ = "0.1.0"
 __all__ = ["CheckpointError", "FastFileWriter", "IncompatibleKeys", "Options", "SaveHandle", "is_patched", "load",
-           "load_into", "patch", "save", "save_async", "unpatch", "wait_for_releases", "wait_for_saves",
+           "load_into", "patch", "release_load_memory", "save", "save_async", "unpatch", "wait_for_releases", "wait_for_saves",
            "__version__"]
 
 

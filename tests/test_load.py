@@ -278,3 +278,65 @@ def test_missing_file_and_warnings_like_torch(folder):
                 loader(folder / name, weights_only=True, encoding="latin1")
             caught.append(sorted(str(x.message) for x in w))
         assert caught[0] == caught[1], name
+
+
+# -- memory of freed results, reused by the next load ---------------------------
+
+load_module = sys.modules["fastpersist.load"]
+
+
+def test_a_later_load_reuses_the_memory_of_freed_results_and_sees_only_its_own_bytes(folder):
+    gc.collect()  # results of earlier tests give their memory back now, not during this test
+    load_module.release_load_memory()
+    first, second = folder / "first.pt", folder / "second.pt"
+    torch.save({"w": torch.full((3 << 20,), 1.0), "b": torch.arange(10)}, first)
+    torch.save({"w": torch.full((3 << 20,) , 2.0), "tail": torch.arange(5)}, second)  # same size: the same mapping fits
+    one = fastpersist.load(first)
+    address = one["w"].data_ptr()
+    two = fastpersist.load(second)  # the first result is alive: new memory
+    assert two["w"].data_ptr() != address
+    del one
+    gc.collect()
+    assert len(load_module._freed_images.free) == 1
+    three = fastpersist.load(second)
+    assert three["w"].data_ptr() == address  # the freed mapping, touched already
+    assert torch.equal(three["w"], torch.full((3 << 20,), 2.0)) and torch.equal(three["tail"], torch.arange(5))
+    assert "b" not in three
+    assert torch.equal(two["w"], three["w"])
+    del two, three
+    gc.collect()
+    load_module.release_load_memory()
+    assert not load_module._freed_images.free
+
+
+def test_freed_load_memory_is_bounded(folder):
+    gc.collect()
+    load_module.release_load_memory()
+    paths = []
+    for i in range(4):
+        paths.append(folder / f"c{i}.pt")
+        torch.save({"w": torch.zeros((i + 1) << 19)}, paths[-1])
+    results = [fastpersist.load(p) for p in paths]
+    del results
+    gc.collect()
+    assert len(load_module._freed_images.free) == load_module._FreedImages.KEEP
+    load_module.release_load_memory()
+
+
+def test_a_forked_child_keeps_none_of_the_parents_freed_load_memory(folder):
+    from conftest import fork_child
+
+    path = folder / "c.pt"
+    torch.save({"w": torch.zeros(1 << 20)}, path)
+    result = fastpersist.load(path)
+    del result
+    gc.collect()
+    assert load_module._freed_images.free
+
+    def child():
+        assert not sys.modules["fastpersist.load"]._freed_images.free
+        assert torch.equal(fastpersist.load(path)["w"], torch.zeros(1 << 20))
+
+    _, status = os.waitpid(fork_child(child), 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the load in the forked child failed (see stderr)"
+    load_module.release_load_memory()
