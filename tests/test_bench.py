@@ -62,7 +62,7 @@ def test_default_bench(tmp_path):
         assert abs(r["gib_per_s"] * 2**30 - r["gb_per_s"] * 1e9) < 1e-6 * r["gb_per_s"] * 1e9
         assert r["bytes"] == doc["model"]["file_bytes"]
     save = next(r for r in results if r["mechanism"] == "fastpersist.save" and r["operation"] == "save, new file")
-    assert {"plan", "write", "fsync"} <= set(save["phases_s"])
+    assert {"plan", "write", "fsync", "rename"} <= set(save["phases_s"])
     rows = read_csv(tmp_path / "r.csv")
     assert list(rows[0]) == default.CSV_COLUMNS and len(rows) == len(results)
     only_outputs_left(tmp_path, ["r.json", "r.csv"])

@@ -87,11 +87,8 @@ def _save_hooks(clock: common.PhaseClock) -> None:
     clock.hook(torch_format, "write_plan", "write")
     clock.hook(_engine.Engine, "end", "drain")
     clock.hook(writer.FastFileWriter, "close", "close")
-    release = getattr(save_module, "release", None)
-    if release is not None and hasattr(release, "replace_releasing_later"):
-        clock.hook(release, "replace_releasing_later", "rename")
-    else:
-        clock.hook(os, "replace", "rename")
+    # the primitive, not save.py's helper around it: that helper keeps changing
+    clock.hook(os, "replace", "rename")
     clock.hook(save_module, "_fsync_folder", "folder fsync")
 
 
