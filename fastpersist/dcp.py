@@ -658,21 +658,16 @@ def _replace_file(path: str, data: bytes, opts: Options) -> None:
 
 
 def _release_later(path: str) -> None:
-    try:
-        from .release import release_later
-    except ImportError:  # pragma: no cover - before the background releaser existed
-        _remove_quietly(path)
-        return
+    from .release import release_later
+
     release_later(path)
 
 
 def _wait_for_release_of(path: str) -> None:
     """A file this process is still removing must be gone before a save reuses its name."""
-    try:
-        from . import release
-    except ImportError:  # pragma: no cover
-        return
-    if hasattr(release, "pending") and path in release.pending():
+    from . import release
+
+    if os.path.abspath(path) in release.pending():
         release.wait_for_releases()
 
 
