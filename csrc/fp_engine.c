@@ -700,7 +700,10 @@ static int next_chunk(struct fp_engine *e, struct chunk_iter *it, uint64_t *star
         const struct fp_extent *x = &it->ext[it->next++];
         it->pos = align_down(x->offset);
         it->span_end = align_up(x->offset + x->length);
-        while (it->next < it->count && it->ext[it->next].offset <= it->span_end + bs) {
+        /* Extents less than a request apart are read as one span, gap and
+         * all; farther apart, the gap is skipped (a sharded load reads a
+         * part of each tensor: reading the rest would double its I/O). */
+        while (it->next < it->count && it->ext[it->next].offset <= it->span_end + e->cfg.request_size) {
             x = &it->ext[it->next++];
             uint64_t xe = align_up(x->offset + x->length);
             if (xe > it->span_end)

@@ -364,7 +364,7 @@ class FastPersistReader(StorageReader):
             with reading_engine(path, opts) as (engine, direct_fd):
                 large = [it for it in items if it.type != LoadItemType.BYTE_IO and self._length(it) >= _DIRECT_MIN]
                 small = [it for it in items if not (it.type != LoadItemType.BYTE_IO and self._length(it) >= _DIRECT_MIN)]
-                direct, staged = self._plan_direct(path, large, planner, engine, direct_fd, fd, staging)
+                direct, staged = self._plan_direct(path, large, planner, fd)
                 if direct:
                     self._read_extents(path, engine, direct_fd, fd,
                                        [(target.data_ptr(), start, n) for _, target, start, n in direct])
@@ -382,26 +382,24 @@ class FastPersistReader(StorageReader):
         finally:
             os.close(fd)
 
-    def _plan_direct(self, path: str, items: list, planner: LoadPlanner, engine, direct_fd: int, fd: int,
-                     staging: "_StagingMemory"):
+    def _plan_direct(self, path: str, items: list, planner: LoadPlanner, fd: int):
         """Reads the first and last _EDGE bytes of each item's archive (every
         record but the tensor's data lies there), works out where the
         tensor's bytes are, and returns ([(item, target, file offset,
         nbytes)], [items to stage])."""
         if not items:
             return [], []
-        memory = staging.get(2 * _EDGE * len(items))
-        extents = []
-        for i, item in enumerate(items):
-            info = self.storage_data[item.storage_index]
-            extents.append((memory.address + 2 * i * _EDGE, info.offset, _EDGE))
-            extents.append((memory.address + (2 * i + 1) * _EDGE, info.offset + info.length - _EDGE, _EDGE))
-        self._read_extents(path, engine, direct_fd, fd, extents)
         direct, staged = [], []
-        for i, item in enumerate(items):
+        for item in items:
             info = self.storage_data[item.storage_index]
-            head = memory.view[2 * i * _EDGE:(2 * i + 1) * _EDGE]
-            tail = memory.view[(2 * i + 1) * _EDGE:(2 * i + 2) * _EDGE]
+            # Plain preads through the page cache: given to the engine, ends
+            # less than a buffer apart would be read as one span, gap and all.
+            head = os.pread(fd, _EDGE, info.offset)
+            tail = os.pread(fd, _EDGE, info.offset + info.length - _EDGE)
+            if len(head) < _EDGE or len(tail) < _EDGE:
+                raise torch_format.CheckpointError(
+                    f"{path}: the file ends before the bytes its checkpoint's metadata points to; "
+                    "the checkpoint is incomplete")
             where = f"{path} (bytes {info.offset}..{info.offset + info.length})"
             placed = _locate_tensor(head, tail, info.length, where)
             if placed is None:
