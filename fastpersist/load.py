@@ -177,7 +177,10 @@ class _CheckpointImage:
         address = int(ffi.cast("uintptr_t", ffi.from_buffer(memory)))
         try:
             with reading_engine(self.path, self.options) as (engine, direct_fd):
-                got = engine.pread_into(direct_fd, self.fd, address, self.size, 0, self.path, prefault=fresh)
+                if fresh:  # O_DIRECT straight in, a helper thread faulting the pages in ahead
+                    got = engine.pread_into(direct_fd, self.fd, address, self.size, 0, self.path, prefault=True)
+                else:  # touched memory: through the registered buffers and a copy, cheaper than pinning user pages
+                    got, _ = engine.read_extents(direct_fd, self.fd, [(address, 0, self.size)], self.path)
         except BaseException:
             _freed_images.give_back(memory)
             raise
