@@ -367,7 +367,8 @@ class FastPersistReader(StorageReader):
                 direct, staged = self._plan_direct(path, large, planner, fd)
                 if direct:
                     self._read_extents(path, engine, direct_fd, fd,
-                                       [(target.data_ptr(), start, n) for _, target, start, n in direct])
+                                       [(target.data_ptr(), start, n) for _, target, start, n in direct],
+                                       prefault=True)
                     for item, target, _, _ in direct:
                         planner.commit_tensor(item, target)
                 staged = sorted(staged + small, key=lambda it: self.storage_data[it.storage_index].offset)
@@ -422,9 +423,9 @@ class FastPersistReader(StorageReader):
         return direct, staged
 
     @staticmethod
-    def _read_extents(path: str, engine, direct_fd: int, fd: int, extents: list) -> None:
+    def _read_extents(path: str, engine, direct_fd: int, fd: int, extents: list, prefault: bool = False) -> None:
         try:
-            read_extents(engine, direct_fd, fd, path, extents, checksums=False)
+            read_extents(engine, direct_fd, fd, path, extents, checksums=False, prefault=prefault)
         except EOFError:
             raise torch_format.CheckpointError(
                 f"{path}: the file ends before the bytes its checkpoint's metadata points to; "

@@ -57,11 +57,26 @@ def reading_engine(path: str, options: Options):
             os.close(direct_fd)
 
 
-def read_extents(engine: _engine.Engine, direct_fd: int, fd: int, path: str, extents, checksums: bool) -> dict:
+def read_extents(engine: _engine.Engine, direct_fd: int, fd: int, path: str, extents, checksums: bool,
+                 prefault: bool = False) -> dict:
     """Reads (address, offset, nbytes) extents of the file into memory, in as
     few passes as non-overlapping batches allow (tied tensors share file
     bytes). Returns {(offset, nbytes): crc} with checksums, else {}; raises
-    EOFError where the file ended early."""
+    EOFError where the file ended early.
+
+    prefault: the destinations may be memory never touched (a model built
+    without initialising its weights, as a restart builds it): a helper
+    thread faults their pages in ahead of the copies, so page faults overlap
+    the I/O instead of stalling the engine's copy loop."""
+    helper = _Prefault(extents) if prefault else None
+    try:
+        return _read_extents(engine, direct_fd, fd, path, extents, checksums)
+    finally:
+        if helper is not None:
+            helper.stop()
+
+
+def _read_extents(engine: _engine.Engine, direct_fd: int, fd: int, path: str, extents, checksums: bool) -> dict:
     crcs = {}
     pending = sorted((e for e in extents if e[2]), key=lambda e: (e[1], e[2]))
     while pending:
@@ -79,3 +94,45 @@ def read_extents(engine: _engine.Engine, direct_fd: int, fd: int, path: str, ext
             crcs.update(((e[1], e[2]), c) for e, c in zip(batch, sums))
         pending = rest
     return crcs
+
+
+class _Prefault:
+    """Faults in the pages of destination extents, in file order, on a
+    helper thread (madvise MADV_POPULATE_WRITE, Linux 5.14+; elsewhere the
+    copies fault the pages in themselves). Pages already present cost a
+    page-table walk; their contents are never changed."""
+
+    MIN_BYTES = 64 << 20  # below this the thread is not worth starting
+    MADV_POPULATE_WRITE = 23
+    PIECE = 8 << 20
+
+    def __init__(self, extents):
+        import threading
+
+        ranges = sorted(((e[1], e[0], e[2]) for e in extents if e[2]), key=lambda r: r[0])
+        self._stopping = False
+        self._thread = None
+        if sum(r[2] for r in ranges) >= self.MIN_BYTES:
+            self._thread = threading.Thread(target=self._run, args=(ranges,), name="fastpersist-prefault",
+                                            daemon=True)
+            self._thread.start()
+
+    def _run(self, ranges) -> None:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        page = os.sysconf("SC_PAGE_SIZE")
+        for _, address, nbytes in ranges:
+            lo = -(-address // page) * page
+            hi = (address + nbytes) // page * page
+            while lo < hi and not self._stopping:
+                n = min(self.PIECE, hi - lo)
+                if libc.madvise(lo, n, self.MADV_POPULATE_WRITE) != 0:
+                    return  # an older kernel, or memory it will not populate: the copies fault it in
+                lo += n
+
+    def stop(self) -> None:
+        self._stopping = True
+        if self._thread is not None:
+            self._thread.join()

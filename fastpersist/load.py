@@ -465,7 +465,7 @@ class _Plan:
         with checksums."""
         with reading_engine(image.path, image.options) as (engine, direct_fd):
             try:
-                return read_extents(engine, direct_fd, image.fd, image.path, extents, checksums)
+                return read_extents(engine, direct_fd, image.fd, image.path, extents, checksums, prefault=True)
             except EOFError:
                 raise CheckpointError(f"{image.path}: the file ended early while reading tensors "
                                       "(did it shrink while being read?)") from None
