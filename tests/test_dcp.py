@@ -189,9 +189,9 @@ def test_large_tensors_are_read_straight_into_place_and_others_staged(tmp_path, 
     destinations = []
     real = fp_dcp.read_extents
 
-    def spy(engine, direct_fd, fd, path, extents, checksums):
+    def spy(engine, direct_fd, fd, path, extents, checksums, **kwargs):
         destinations.extend(address for address, _, _ in extents)
-        return real(engine, direct_fd, fd, path, extents, checksums)
+        return real(engine, direct_fd, fd, path, extents, checksums, **kwargs)
 
     monkeypatch.setattr(fp_dcp, "read_extents", spy)
     dcp.load(out, storage_reader=FastPersistReader(tmp_path), no_dist=True)
