@@ -108,7 +108,21 @@ def _referenced_files(metadata_path: str) -> Optional[set]:
     return {info.relative_path for info in (metadata.storage_data or {}).values()}
 
 
-class FastPersistWriter(StorageWriter, AsyncStager):
+class _CheckpointFolder:
+    """What DCP asks of both storages about their checkpoint: a folder path."""
+
+    path: str
+
+    @property
+    def checkpoint_id(self):
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return _torch_api.dcp_filesystem().FileSystem.validate_checkpoint_id(checkpoint_id)
+
+
+class FastPersistWriter(_CheckpointFolder, StorageWriter, AsyncStager):
     """A DCP ``StorageWriter`` that writes ``FileSystemWriter``'s files through fastpersist.
 
     path: the checkpoint folder (created if missing).
@@ -205,14 +219,6 @@ class FastPersistWriter(StorageWriter, AsyncStager):
     def storage_meta(self) -> Optional[StorageMeta]:
         return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
 
-    @property
-    def checkpoint_id(self):
-        return self.path
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
-        return _torch_api.dcp_filesystem().FileSystem.validate_checkpoint_id(checkpoint_id)
-
     # -- dcp.async_save's stager ------------------------------------------
     def stage(self, state_dict):
         return stage_state_dict(state_dict, _options(self.options))
@@ -273,7 +279,7 @@ class FastPersistWriter(StorageWriter, AsyncStager):
         return pieces
 
 
-class FastPersistReader(StorageReader):
+class FastPersistReader(_CheckpointFolder, StorageReader):
     """A DCP ``StorageReader`` that reads ``FileSystemWriter``'s files through fastpersist.
 
     Each rank reads the byte ranges its load plan needs through the engine
@@ -342,14 +348,6 @@ class FastPersistReader(StorageReader):
         future: Future = Future()
         future.set_result(None)
         return future
-
-    @property
-    def checkpoint_id(self):
-        return self.path
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
-        return _torch_api.dcp_filesystem().FileSystem.validate_checkpoint_id(checkpoint_id)
 
     # -- reading ------------------------------------------------------------
     def _read_file(self, path: str, items: list, planner: LoadPlanner, opts: Options,

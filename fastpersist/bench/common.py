@@ -674,6 +674,19 @@ def write_csv(path: str, rows: list, columns: Sequence[str]) -> None:
         raise BenchError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
+def save_figure(fig, path: str) -> None:
+    """Writes a matplotlib figure as a PNG and closes it; an unwritable path is a BenchError."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=100)
+    except OSError as exc:
+        raise BenchError(f"cannot write {path}: {exc.strerror or exc}") from None
+    finally:
+        plt.close(fig)
+
+
 def progress(total: int, description: str):
     """A tqdm bar on stderr (hidden when stderr is not a terminal)."""
     from tqdm import tqdm

@@ -170,13 +170,7 @@ def _plot(path: str, rows: list) -> None:
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle("fastpersist bench restart: CPU-sized stand-ins (the real layer shapes, fewer layers)", fontsize=10)
-    fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=100)
-    except OSError as exc:
-        raise common.BenchError(f"cannot write {path}: {exc.strerror or exc}") from None
-    finally:
-        plt.close(fig)
+    common.save_figure(fig, path)
 
 
 CSV_COLUMNS = ["model", "stand_in_for", "layers", "full_layers", "dtype", "bytes", "files", "file_sizes",

@@ -82,13 +82,7 @@ def _plot(path: str, rows: list, sizes: list, engines: list, default: Combo) -> 
             ax.legend(fontsize=8)
     fig.suptitle(f"fastpersist bench sweep: buffer size x buffers x queue depth\n"
                  f"(defaults here: {default.engine} {default.label()}; GB = 1e9 bytes)", fontsize=10)
-    fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=100)
-    except OSError as exc:
-        raise common.BenchError(f"cannot write {path}: {exc.strerror or exc}") from None
-    finally:
-        plt.close(fig)
+    common.save_figure(fig, path)
 
 
 CSV_COLUMNS = ["size_gb", "bytes", "operation", "engine", "buffer_size", "num_buffers", "queue_depth",
