@@ -78,7 +78,9 @@ def read_extents(engine: _engine.Engine, direct_fd: int, fd: int, path: str, ext
 
 def _read_extents(engine: _engine.Engine, direct_fd: int, fd: int, path: str, extents, checksums: bool) -> dict:
     crcs = {}
-    pending = sorted((e for e in extents if e[2]), key=lambda e: (e[1], e[2]))
+    # the same bytes into the same memory once: tied weights (an embedding
+    # and the output layer) reach here under two names
+    pending = sorted({e for e in extents if e[2]}, key=lambda e: (e[1], e[2]))
     while pending:
         batch, rest, end = [], [], -1
         for e in pending:
