@@ -158,8 +158,12 @@ def cached_fraction(path: str) -> Optional[float]:
 class CacheDropper:
     """Makes the next read of a file come from the device, as after a restart
     on another machine: fsync, then posix_fadvise(POSIX_FADV_DONTNEED) on the
-    file, and with mode "auto" also /proc/sys/vm/drop_caches where this
-    process may write it (root). Each drop is checked with mincore."""
+    file; with mode "auto", where mincore still finds 1% or more of a file
+    cached (or cannot tell), also /proc/sys/vm/drop_caches where this process
+    may write it (root). Not every time: dropping the whole page cache also
+    evicts the code of torch and Python, and a load that runs more of that
+    code than the raw read then pays for reading it back from the disk,
+    which a process loading checkpoint after checkpoint never does."""
 
     DROP_CACHES = "/proc/sys/vm/drop_caches"
 
@@ -181,16 +185,18 @@ class CacheDropper:
                 self.fadvise_error = exc.strerror or str(exc)
             finally:
                 os.close(fd)
-        if self.mode == "auto" and self.system_error is None:
+        fractions = [cached_fraction(path) for path in paths]
+        still_cached = any(f is None or f >= 0.01 for f in fractions)
+        if self.mode == "auto" and self.system_error is None and still_cached:
             try:
                 with open(self.DROP_CACHES, "w") as fh:
                     fh.write("1\n")  # the page cache only; dentries and inodes stay
                 self.system_used = True
             except OSError as exc:
                 self.system_error = exc.strerror or str(exc)
+            fractions = [cached_fraction(path) for path in paths]
         self.drops += 1
-        for path in paths:
-            fraction = cached_fraction(path)
+        for fraction in fractions:
             if fraction is not None:
                 self.most_cached = max(self.most_cached or 0.0, fraction)
 
