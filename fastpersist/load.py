@@ -177,10 +177,9 @@ class _CheckpointImage:
         address = int(ffi.cast("uintptr_t", ffi.from_buffer(memory)))
         try:
             with reading_engine(self.path, self.options) as (engine, direct_fd):
-                if fresh:  # O_DIRECT straight in, a helper thread faulting the pages in ahead
-                    got = engine.pread_into(direct_fd, self.fd, address, self.size, 0, self.path, prefault=True)
-                else:  # touched memory: through the registered buffers and a copy, cheaper than pinning user pages
-                    got, _ = engine.read_extents(direct_fd, self.fd, [(address, 0, self.size)], self.path)
+                # O_DIRECT straight into the page-aligned mapping; fresh memory
+                # has a helper thread fault its pages in ahead of the reads
+                got = engine.pread_into(direct_fd, self.fd, address, self.size, 0, self.path, prefault=fresh)
         except BaseException:
             _freed_images.give_back(memory)
             raise
