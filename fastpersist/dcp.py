@@ -396,21 +396,14 @@ class FastPersistReader(_CheckpointFolder, StorageReader):
             head = os.pread(fd, _EDGE, info.offset)
             tail = os.pread(fd, _EDGE, info.offset + info.length - _EDGE)
             if len(head) < _EDGE or len(tail) < _EDGE:
-                raise torch_format.CheckpointError(
-                    f"{path}: the file ends before the bytes its checkpoint's metadata points to; "
-                    "the checkpoint is incomplete")
+                raise _incomplete(path)
             where = f"{path} (bytes {info.offset}..{info.offset + info.length})"
             placed = _locate_tensor(head, tail, info.length, where)
             if placed is None:
                 staged.append(item)
                 continue
             meta, data_offset = placed
-            part = _torch_api.dcp_narrow(meta, item.storage_offsets, item.lengths)
-            target = planner.resolve_tensor(item).detach()
-            if target.size() != part.size():
-                raise torch_format.CheckpointError(
-                    f"{where}: {item.storage_index.fqn} holds a {tuple(part.size())} part, "
-                    f"but the load plan expects {tuple(target.size())}")
+            part, target = _part_and_target(meta, item, planner, where)
             if not (part.is_contiguous() and target.is_contiguous() and target.device.type == "cpu"
                     and target.dtype == part.dtype and target.layout == torch.strided and not target.is_quantized):
                 staged.append(item)
@@ -425,9 +418,7 @@ class FastPersistReader(_CheckpointFolder, StorageReader):
         try:
             read_extents(engine, direct_fd, fd, path, extents, checksums=False, prefault=prefault)
         except EOFError:
-            raise torch_format.CheckpointError(
-                f"{path}: the file ends before the bytes its checkpoint's metadata points to; "
-                "the checkpoint is incomplete") from None
+            raise _incomplete(path) from None
 
     def _length(self, item) -> int:
         return self.storage_data[item.storage_index].length
@@ -446,16 +437,27 @@ class FastPersistReader(_CheckpointFolder, StorageReader):
                 planner.load_bytes(item, io.BytesIO(bytes(memory.view[at:at + info.length])))
                 continue
             where = f"{path} (bytes {info.offset}..{info.offset + info.length})"
-            tensor = _tensor_from_archive(memory, at, info.length, where)
-            tensor = _torch_api.dcp_narrow(tensor, item.storage_offsets, item.lengths)
-            target = planner.resolve_tensor(item).detach()
-            if target.size() != tensor.size():
-                raise torch_format.CheckpointError(
-                    f"{where}: {item.storage_index.fqn} holds a {tuple(tensor.size())} part, "
-                    f"but the load plan expects {tuple(target.size())}")
+            tensor, target = _part_and_target(_tensor_from_archive(memory, at, info.length, where), item, planner,
+                                              where)
             target.copy_(tensor)
             planner.commit_tensor(item, target)
             del tensor
+
+
+def _incomplete(path: str) -> torch_format.CheckpointError:
+    return torch_format.CheckpointError(f"{path}: the file ends before the bytes its checkpoint's metadata "
+                                        "points to; the checkpoint is incomplete")
+
+
+def _part_and_target(saved: torch.Tensor, item, planner: LoadPlanner, where: str):
+    """The part of a saved tensor (a real or a meta tensor) that a read item
+    asks for, and the tensor it goes into, checked to match in size."""
+    part = _torch_api.dcp_narrow(saved, item.storage_offsets, item.lengths)
+    target = planner.resolve_tensor(item).detach()
+    if target.size() != part.size():
+        raise torch_format.CheckpointError(f"{where}: {item.storage_index.fqn} holds a {tuple(part.size())} part, "
+                                           f"but the load plan expects {tuple(target.size())}")
+    return part, target
 
 
 class _OutsideEdges(Exception):

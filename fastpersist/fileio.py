@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import os
 
@@ -120,17 +121,14 @@ class _Prefault:
             self._thread.start()
 
     def _run(self, ranges) -> None:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        madvise = _madvise()
         page = os.sysconf("SC_PAGE_SIZE")
         for _, address, nbytes in ranges:
             lo = -(-address // page) * page
             hi = (address + nbytes) // page * page
             while lo < hi and not self._stopping:
                 n = min(self.PIECE, hi - lo)
-                if libc.madvise(lo, n, self.MADV_POPULATE_WRITE) != 0:
+                if madvise(lo, n, self.MADV_POPULATE_WRITE) != 0:
                     return  # an older kernel, or memory it will not populate: the copies fault it in
                 lo += n
 
@@ -138,3 +136,12 @@ class _Prefault:
         self._stopping = True
         if self._thread is not None:
             self._thread.join()
+
+
+@functools.lru_cache(maxsize=None)
+def _madvise():
+    import ctypes
+
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise
