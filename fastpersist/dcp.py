@@ -41,6 +41,7 @@ How a save commits (at least as safe as DCP's own):
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import io
 import logging
 import mmap as _mmap
@@ -213,7 +214,10 @@ class FastPersistWriter(_CheckpointFolder, StorageWriter, AsyncStager):
         metadata.storage_meta = self.storage_meta()
         metadata_path = self._metadata_path()
         replaced = _referenced_files(metadata_path)
-        _replace_file(metadata_path, pickle.dumps(metadata), _options(self.options).replace(fsync=self.sync_files))
+        data = pickle.dumps(metadata)
+        save = importlib.import_module("fastpersist.save")  # the module; fastpersist.save is the function
+        save.write_to_path(metadata_path, _options(self.options).replace(fsync=self.sync_files, atomic=True),
+                           lambda writer: writer.write(data))
         self._release_unreferenced(replaced, {info.relative_path for info in metadata.storage_data.values()})
 
     def storage_meta(self) -> Optional[StorageMeta]:
@@ -631,29 +635,6 @@ def _rebuild(obj, copies):
 
 # ---------------------------------------------------------------------------
 # files
-
-
-def _replace_file(path: str, data: bytes, opts: Options) -> None:
-    """Writes data to a locked temporary beside path, fsyncs it, renames it
-    over path and fsyncs the folder: path always names a whole file."""
-    from .save import _Temporary, remove_stale_temporaries
-
-    folder = os.path.dirname(path) or "."
-    remove_stale_temporaries(folder)
-    temporary = _Temporary.create(folder, os.path.basename(path), opts, sole_writer=True)
-    try:
-        temporary.writer.write(data)
-        temporary.writer.close()
-        os.replace(temporary.path, path)
-        temporary.renamed()
-        if opts.fsync:
-            _fsync_folder(folder)
-    except BaseException:
-        temporary.writer.abort()
-        temporary.discard()
-        raise
-    finally:
-        temporary.unlock()
 
 
 def _release_later(path: str) -> None:

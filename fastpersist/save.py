@@ -100,6 +100,13 @@ def write_plan_to_path(plan: torch_format.CheckpointPlan, path: str, opts: Optio
     """Writes a planned checkpoint at path (errors name it), atomically and
     durably as opts say; returns its size in bytes. target: path resolved
     already (save_async resolves it when called, not when written)."""
+    return write_to_path(path, opts, lambda writer: torch_format.write_plan(plan, writer), target)
+
+
+def write_to_path(path: str, opts: Options, fill, target: Optional[str] = None) -> int:
+    """Writes the file at path with fill(writer), which returns the bytes it
+    wrote: into a locked temporary that is renamed over path (opts.atomic),
+    fsynced with its folder (opts.fsync)."""
     target = target or os.path.realpath(path)  # torch.save writes through symlinks
     folder = os.path.dirname(target)
     remove_stale_temporaries(folder)
@@ -115,7 +122,7 @@ def write_plan_to_path(plan: torch_format.CheckpointPlan, path: str, opts: Optio
         raise OSError(exc.errno, f"{exc.strerror} (fastpersist: creating a file in {folder})", path) from exc
     write_path = temporary.path if temporary else target
     try:
-        size = torch_format.write_plan(plan, writer)
+        size = fill(writer)
         writer.close()  # waits for every write; fsyncs the file with opts.fsync
         if temporary:
             _keep_mode_of(target, temporary.path)
