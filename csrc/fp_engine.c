@@ -716,69 +716,185 @@ static int next_chunk(struct fp_engine *e, struct chunk_iter *it, uint64_t *star
     return 1;
 }
 
+/* The copy-out side of fp_read_extents: moves each finished buffer's bytes
+ * into the extents' destinations, in file order. On a helper thread when the
+ * read spans a few buffers, so the copies overlap the reads: copied by the
+ * thread that reaps, they held back the next requests, and a bounced 2 GB
+ * read ran at 0.73-0.82x an O_DIRECT read straight into memory. */
+struct copy_out {
+    struct fp_engine *e;
+    const struct fp_extent *ext;
+    size_t count, cur;        /* cur: first extent not yet wholly copied */
+    uint32_t *crcs;
+    int64_t copied;
+    uint64_t start[FP_MAX_NUM_BUFFERS], valid_end[FP_MAX_NUM_BUFFERS]; /* the chunk in each buffer */
+    int threaded;
+    pthread_t thread;
+    pthread_mutex_t lock;     /* guards the three below when threaded */
+    pthread_cond_t cond;
+    size_t handed, done;      /* buffers handed over / copied out, counted from the first */
+    int stop;                 /* 1: finish what was handed over; 2: drop it (the read failed) */
+};
+
+static void copy_buffer(struct copy_out *c, size_t k)
+{
+    int b = (int)(k % (size_t)c->e->cfg.num_buffers);
+    const char *buf = fp_engine_buffer(c->e, b);
+    uint64_t cs = c->start[b], valid_end = c->valid_end[b];
+    const struct fp_extent *ext = c->ext;
+    while (c->cur < c->count && ext[c->cur].offset + ext[c->cur].length <= cs)
+        c->cur++;
+    for (size_t i = c->cur; i < c->count && ext[i].offset < valid_end; i++) {
+        uint64_t lo = ext[i].offset > cs ? ext[i].offset : cs;
+        uint64_t hi = ext[i].offset + ext[i].length;
+        if (hi > valid_end)
+            hi = valid_end;
+        if (hi <= lo)
+            continue;
+        char *dst = (char *)ext[i].dst + (lo - ext[i].offset);
+        const char *src = buf + (lo - cs);
+        size_t len = (size_t)(hi - lo);
+        if (c->crcs) { /* copy in cache-sized pieces so the CRC reads them from cache */
+            for (size_t j = 0; j < len; j += FP_COPY_CHUNK) {
+                size_t m = len - j < FP_COPY_CHUNK ? len - j : FP_COPY_CHUNK;
+                memcpy(dst + j, src + j, m);
+                c->crcs[i] = fp_crc32(c->crcs[i], dst + j, m);
+            }
+        } else {
+            memcpy(dst, src, len);
+        }
+        c->copied += (int64_t)len;
+    }
+}
+
+static void *copy_out_main(void *arg)
+{
+    struct copy_out *c = arg;
+    pthread_mutex_lock(&c->lock);
+    for (;;) {
+        while (c->done == c->handed && !c->stop)
+            pthread_cond_wait(&c->cond, &c->lock);
+        if (c->stop == 2 || c->done == c->handed)
+            break;
+        size_t k = c->done;
+        pthread_mutex_unlock(&c->lock);
+        copy_buffer(c, k);
+        pthread_mutex_lock(&c->lock);
+        c->done = k + 1;
+        pthread_cond_broadcast(&c->cond);
+    }
+    pthread_mutex_unlock(&c->lock);
+    return NULL;
+}
+
+/* Buffers copied out so far: those below it can be read into again. */
+static size_t copy_out_done(struct copy_out *c)
+{
+    if (!c->threaded)
+        return c->done;
+    pthread_mutex_lock(&c->lock);
+    size_t done = c->done;
+    pthread_mutex_unlock(&c->lock);
+    return done;
+}
+
+/* Buffer k holds its chunk: copy it out now, or hand it to the thread. */
+static void copy_out_hand(struct copy_out *c, size_t k)
+{
+    if (!c->threaded) {
+        copy_buffer(c, k);
+        c->handed = c->done = k + 1;
+        return;
+    }
+    pthread_mutex_lock(&c->lock);
+    c->handed = k + 1;
+    pthread_cond_broadcast(&c->cond);
+    pthread_mutex_unlock(&c->lock);
+}
+
+/* Every buffer is in flight or waiting for the copier: wait until it frees one. */
+static void copy_out_wait(struct copy_out *c, size_t done)
+{
+    pthread_mutex_lock(&c->lock);
+    while (c->done == done)
+        pthread_cond_wait(&c->cond, &c->lock);
+    pthread_mutex_unlock(&c->lock);
+}
+
+static void copy_out_finish(struct copy_out *c, int failed)
+{
+    if (!c->threaded)
+        return;
+    pthread_mutex_lock(&c->lock);
+    c->stop = failed ? 2 : 1;
+    pthread_cond_broadcast(&c->cond);
+    pthread_mutex_unlock(&c->lock);
+    pthread_join(c->thread, NULL);
+    pthread_mutex_destroy(&c->lock);
+    pthread_cond_destroy(&c->cond);
+}
+
 int64_t fp_read_extents(struct fp_engine *e, int direct_fd, int buffered_fd,
                         const struct fp_extent *ext, size_t count, uint32_t *crcs)
 {
-    for (size_t i = 1; i < count; i++)
-        if (ext[i].offset < ext[i - 1].offset + ext[i - 1].length)
+    uint64_t total = 0;
+    for (size_t i = 0; i < count; i++) {
+        if (i > 0 && ext[i].offset < ext[i - 1].offset + ext[i - 1].length)
             return -EINVAL;
+        total += ext[i].length;
+    }
     int rc = start_operation(e, direct_fd, buffered_fd);
     if (rc < 0)
         return rc;
     e->read_eof = UINT64_MAX;
-    int nb = e->cfg.num_buffers;
-    uint64_t cstart[nb], cend[nb];
+    size_t nb = (size_t)e->cfg.num_buffers;
+    struct copy_out c = {.e = e, .ext = ext, .count = count, .crcs = crcs};
+    if (total >= 2 * (uint64_t)e->cfg.buffer_size) { /* else there is nothing to overlap */
+        pthread_mutex_init(&c.lock, NULL);
+        pthread_cond_init(&c.cond, NULL);
+        c.threaded = pthread_create(&c.thread, NULL, copy_out_main, &c) == 0;
+        if (!c.threaded) { /* copy inline instead */
+            pthread_mutex_destroy(&c.lock);
+            pthread_cond_destroy(&c.cond);
+        }
+    }
     struct chunk_iter it = {ext, count, 0, 0, 0};
-    size_t issued = 0, done = 0, cur = 0; /* cur: first extent not yet fully copied */
+    size_t issued = 0, arrived = 0; /* buffers queued / read and handed to the copy-out */
     int more = 1;
-    int64_t copied = 0;
     int fd = direct_fd >= 0 ? direct_fd : buffered_fd;
     while (!e->error) {
-        while (more && issued < done + (size_t)nb) {
-            int b = (int)(issued % (size_t)nb);
-            more = next_chunk(e, &it, &cstart[b], &cend[b]);
+        size_t done = copy_out_done(&c);
+        while (more && issued < done + nb) {
+            int b = (int)(issued % nb);
+            uint64_t end;
+            more = next_chunk(e, &it, &c.start[b], &end);
             if (!more)
                 break;
-            queue_range(e, fd, 0, direct_fd >= 0, b, fp_engine_buffer(e, b),
-                        (size_t)(cend[b] - cstart[b]), cstart[b]);
+            c.valid_end[b] = end;
+            queue_range(e, fd, 0, direct_fd >= 0, b, fp_engine_buffer(e, b), (size_t)(end - c.start[b]),
+                        c.start[b]);
             issued++;
         }
-        if (done == issued)
-            break;
-        int b = (int)(done % (size_t)nb);
-        while (e->buf_pending[b] > 0 && !e->error)
-            wait_one(e);
         if (e->error)
             break;
-        const char *buf = fp_engine_buffer(e, b);
-        uint64_t valid_end = e->read_eof < cend[b] ? e->read_eof : cend[b];
-        while (cur < count && ext[cur].offset + ext[cur].length <= cstart[b])
-            cur++;
-        for (size_t i = cur; i < count && ext[i].offset < cend[b]; i++) {
-            uint64_t lo = ext[i].offset > cstart[b] ? ext[i].offset : cstart[b];
-            uint64_t hi = ext[i].offset + ext[i].length;
-            if (hi > valid_end)
-                hi = valid_end;
-            if (hi <= lo)
-                continue;
-            char *dst = (char *)ext[i].dst + (lo - ext[i].offset);
-            const char *src = buf + (lo - cstart[b]);
-            size_t len = (size_t)(hi - lo);
-            if (crcs) { /* copy in cache-sized pieces so the CRC reads them from cache */
-                for (size_t k = 0; k < len; k += FP_COPY_CHUNK) {
-                    size_t m = len - k < FP_COPY_CHUNK ? len - k : FP_COPY_CHUNK;
-                    memcpy(dst + k, src + k, m);
-                    crcs[i] = fp_crc32(crcs[i], dst + k, m);
-                }
-            } else {
-                memcpy(dst, src, len);
-            }
-            copied += (int64_t)len;
+        if (arrived == issued) {
+            if (!more)
+                break; /* everything read; the copier finishes below */
+            copy_out_wait(&c, done);
+            continue;
         }
-        done++;
+        int b = (int)(arrived % nb);
+        if (e->buf_pending[b] > 0) {
+            wait_one(e);
+            continue;
+        }
+        if (e->read_eof < c.valid_end[b])
+            c.valid_end[b] = e->read_eof;
+        copy_out_hand(&c, arrived++);
     }
     wait_all(e);
-    return e->error ? e->error : copied;
+    copy_out_finish(&c, e->error != 0);
+    return e->error ? e->error : c.copied;
 }
 
 /* Faults in the pages of fresh destination memory ahead of the reads into it

@@ -267,16 +267,20 @@ def test_read_extents_refuses_unsorted_or_overlapping(read_file):
         _engine.release(e)
 
 
-def test_read_extents_short_at_end_of_file(engine, read_file):
+@pytest.mark.parametrize("present", [4000, 400_000])  # copied inline / on the copy-out thread (> 2 buffers)
+def test_read_extents_short_at_end_of_file(engine, read_file, present):
     path, data, dfd, bfd = read_file
-    dst = np.zeros(10_000, dtype=np.uint8)
+    dst = np.zeros(present + 10_000, dtype=np.uint8)
     e = _engine.acquire(Options(engine=engine, **SMALL))
     try:
-        copied, _ = e.read_extents(dfd, bfd, [(dst.ctypes.data, len(data) - 4000, 10_000)], str(path))
+        copied, crcs = e.read_extents(dfd, bfd, [(dst.ctypes.data, len(data) - present, len(dst))], str(path),
+                                      checksums=True)
     finally:
         _engine.release(e)
-    assert copied == 4000
-    assert dst[:4000].tobytes() == data[-4000:].tobytes()
+    assert copied == present
+    assert dst[:present].tobytes() == data[-present:].tobytes()
+    assert not dst[present:].any()
+    assert crcs == [zlib.crc32(data[-present:].tobytes())]
 
 
 def test_pread_into_fresh_memory_with_prefault(engine, tmp_path):
