@@ -54,6 +54,27 @@ def test_truncated_files(folder, keep):
         fastpersist.load_into(target(), path)
 
 
+def test_file_shrinking_during_the_read(folder, monkeypatch):
+    """Cut after load measured the file, before its bytes are read: the read
+    comes up short, and the memory taken for it goes back to the pool."""
+    import importlib
+
+    load_module = importlib.import_module("fastpersist.load")
+    path = checkpoint(folder)
+    real_read_all = load_module._CheckpointImage.read_all
+
+    def cut_then_read(image):
+        with open(path, "r+b") as f:
+            f.truncate(image.size // 2)
+        return real_read_all(image)
+
+    monkeypatch.setattr(load_module._CheckpointImage, "read_all", cut_then_read)
+    load_module.release_load_memory()
+    with pytest.raises(CheckpointError, match=r"c.pt: the file ended before its \d+ bytes were read"):
+        fastpersist.load(path)
+    assert len(load_module._freed_images.free) == 1
+
+
 def test_bit_flip_in_tensor_data_is_caught_by_verify(folder):
     path = checkpoint(folder)
     record = index_of(path).records["data/0"]
