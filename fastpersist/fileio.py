@@ -121,15 +121,22 @@ class _Prefault:
             self._thread.start()
 
     def _run(self, ranges) -> None:
-        madvise = _madvise()
+        import ctypes
+
+        libc = _libc()
         page = os.sysconf("SC_PAGE_SIZE")
+        resident = (ctypes.c_ubyte * (self.PIECE // page))()
         for _, address, nbytes in ranges:
             lo = -(-address // page) * page
             hi = (address + nbytes) // page * page
             while lo < hi and not self._stopping:
                 n = min(self.PIECE, hi - lo)
-                if madvise(lo, n, self.MADV_POPULATE_WRITE) != 0:
-                    return  # an older kernel, or memory it will not populate: the copies fault it in
+                # mincore first: walking pages already in (a model that was
+                # trained, not just built) cost 0.05-0.14 s of CPU per 2 GB
+                # here, taken from the engine's threads; mincore, 2 ms
+                if libc.mincore(lo, n, resident) != 0 or 0 in ctypes.string_at(resident, -(-n // page)):
+                    if libc.madvise(lo, n, self.MADV_POPULATE_WRITE) != 0:
+                        return  # an older kernel, or memory it will not populate: the copies fault it in
                 lo += n
 
     def stop(self) -> None:
@@ -139,9 +146,11 @@ class _Prefault:
 
 
 @functools.lru_cache(maxsize=None)
-def _madvise():
+def _libc():
+    """libc with madvise and mincore typed (looked up once)."""
     import ctypes
 
-    madvise = ctypes.CDLL(None, use_errno=True).madvise
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return madvise
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    return libc
