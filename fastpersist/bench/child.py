@@ -56,7 +56,8 @@ def _load(spec: dict) -> dict:
     phases = {}
     if mechanism == "raw engine read":
         from fastpersist import _engine
-        from fastpersist.fileio import reading_engine
+
+        from . import common
 
         # the ceiling: reading into memory that is already there and touched,
         # with an engine already started
@@ -65,12 +66,7 @@ def _load(spec: dict) -> dict:
         buffer.fill_(1)
         _engine.release(_engine.acquire(options))
         start = time.perf_counter()
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            with reading_engine(path, options) as (engine, direct_fd):
-                got = engine.pread_into(direct_fd, fd, buffer.data_ptr(), size, 0, path)
-        finally:
-            os.close(fd)
+        got = common.raw_read(path, buffer.data_ptr(), size, options)
         read = time.perf_counter()
         torch.frombuffer(memory, dtype=torch.float32, count=size // 4).sum()
         end = time.perf_counter()

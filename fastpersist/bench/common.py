@@ -275,6 +275,22 @@ def touch_all(obj) -> None:
             t.sum()
 
 
+def raw_read(path: str, address: int, size: int, options) -> int:
+    """The ceiling of a load: the file's bytes into memory at address, by the
+    engine alone (no format), the way fastpersist's loads read: through the
+    engine's registered buffers, copied out on its helper thread (as fio
+    reads with --fixedbufs). Returns the bytes read."""
+    from fastpersist.fileio import reading_engine
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with reading_engine(path, options) as (engine, direct_fd):
+            got, _ = engine.read_extents(direct_fd, fd, [(address, 0, size)], path)
+    finally:
+        os.close(fd)
+    return got
+
+
 def evict_from_page_cache(path: str) -> None:
     """fsync and POSIX_FADV_DONTNEED on one file (the benchmarks/ scripts' eviction)."""
     fd = os.open(path, os.O_RDONLY)

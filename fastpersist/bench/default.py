@@ -287,19 +287,12 @@ class DefaultBench:
             return measure
 
         def raw_read(engine):
-            from fastpersist.fileio import reading_engine
-
             options = self.opts(engine)
 
             def measure():
                 floats = self.torch.frombuffer(self.raw_memory, dtype=self.torch.float32, count=self.file_size // 4)
                 start = time.perf_counter()
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    with reading_engine(path, options) as (engine_, direct_fd):
-                        got = engine_.pread_into(direct_fd, fd, self.raw_buffer.data_ptr(), self.file_size, 0, path)
-                finally:
-                    os.close(fd)
+                got = common.raw_read(path, self.raw_buffer.data_ptr(), self.file_size, options)
                 read = time.perf_counter()
                 floats.sum()
                 end = time.perf_counter()
