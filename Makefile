@@ -5,7 +5,8 @@
 #   make test    the test suite
 #   make sanitize  the C engine built with ASan and UBSan into build/sanitize/
 #                and the engine, save, fault and temporary-file tests run against it (tests/run_sanitized.sh);
-#                the in-place build is neither rebuilt nor used
+#                the in-place build is neither rebuilt nor used; then the C tests in tests/native/
+#                built with ThreadSanitizer into build/native/ (tests/run_native.sh)
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 TORCH_VERSION ?= 2.13.0
@@ -44,6 +45,7 @@ test: build
 # gcc's libasan and libubsan come with build-essential (gcc-N -> libgcc-N-dev).
 sanitize: deps
 	PYTHON=$(PYTHON) bash tests/run_sanitized.sh
+	PYTHON=$(PYTHON) bash tests/run_native.sh
 
 clean:
 	rm -rf build *.egg-info fastpersist/_engine_cffi.* fastpersist/*.so
