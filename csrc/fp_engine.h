@@ -145,7 +145,10 @@ struct fp_extent {
  * Reads many file ranges into their own destinations in one pass: the file
  * spans that cover them are read sequentially through the engine's buffers
  * (O_DIRECT, whole buffers in flight) and each extent's bytes are copied out
- * as their buffer arrives, so the destinations can have any alignment.
+ * as their buffer arrives, so the destinations can have any alignment. When
+ * the extents add up to two buffers or more, the copies run on a helper
+ * thread that lives only for the call (no thread outlives it; a fork during
+ * the call leaves the child without it, as with every engine resource).
  * Extents must be sorted by offset and must not overlap (-EINVAL otherwise);
  * small gaps between them are read through rather than skipped.
  * If crcs is not NULL, crcs[i] is updated with the CRC-32 of extent i.
