@@ -498,9 +498,8 @@ def _locate_tensor(head, tail, length: int, where: str):
     storage = meta.untyped_storage()
     data_offset = _torch_api.checkpoint_offset(storage)
     record = index.by_data_offset().get(data_offset)
-    item = meta.element_size()
-    view_end = (meta.storage_offset() + sum((s - 1) * st for s, st in zip(meta.shape, meta.stride())) + 1) * item
-    if record is None or storage.nbytes() != record.size or view_end > record.size or meta.storage_offset() < 0:
+    if (record is None or storage.nbytes() != record.size or torch_format.view_end(meta) > record.size
+            or meta.storage_offset() < 0):
         raise torch_format.CheckpointError(f"{where}: the tensor's pickle does not match its data record; "
                                            "the file is corrupt")
     return meta, data_offset

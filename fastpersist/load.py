@@ -28,7 +28,7 @@ from typing import Any, NamedTuple, Optional
 from . import _engine, _torch_api
 from .fileio import read_extents, reading_engine
 from .options import Options, current_options
-from .torch_format import ArchiveIndex, CheckpointError, TorchArchiveReader
+from .torch_format import ArchiveIndex, CheckpointError, TorchArchiveReader, view_end
 
 _TRUE = ("1", "y", "yes", "true")
 
@@ -545,10 +545,10 @@ def _plan(image: _CheckpointImage, stored: dict, target: dict, strict: bool, is_
         if record is None:
             raise CheckpointError(f"{image.path}: the tensor '{name}' points at offset {offset}, where no record starts")
         item = value.element_size()
-        view_end = (value.storage_offset() + sum((s - 1) * st for s, st in zip(value.shape, value.stride())) + 1) * item
-        if storage.nbytes() != record.size or view_end > storage.nbytes() or value.storage_offset() < 0:
+        needed = view_end(value)
+        if storage.nbytes() != record.size or needed > storage.nbytes() or value.storage_offset() < 0:
             # torch.load checks the first too; the second guards the pickle's view of the storage
-            raise CheckpointError(f"{image.path}: the tensor '{name}' needs {max(view_end, storage.nbytes())} bytes "
+            raise CheckpointError(f"{image.path}: the tensor '{name}' needs {max(needed, storage.nbytes())} bytes "
                                   f"of record '{record.name}', which holds {record.size}; the file is corrupt")
         if value.is_contiguous() and dst.is_contiguous() and dst.device.type == "cpu" and not plan.swap:
             start = offset + value.storage_offset() * item

@@ -328,6 +328,14 @@ class CheckpointError(RuntimeError):
     so code that catches those keeps working."""
 
 
+def view_end(tensor) -> int:
+    """Bytes from the start of a tensor's storage to the end of its view: what
+    its data record must hold at least. A pickle states shape, stride and
+    offset apart from the record's size, so a corrupt one can point past it."""
+    last = tensor.storage_offset() + sum((s - 1) * st for s, st in zip(tensor.shape, tensor.stride()))
+    return (last + 1) * tensor.element_size()
+
+
 _EOCD = struct.Struct("<IHHHHIIH")
 _ZIP64_LOCATOR = struct.Struct("<IIQI")
 _ZIP64_EOCD = struct.Struct("<IQHHIIQQQQ")
