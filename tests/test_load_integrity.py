@@ -75,6 +75,25 @@ def test_file_shrinking_during_the_read(folder, monkeypatch):
     assert len(load_module._freed_images.free) == 1
 
 
+@pytest.mark.parametrize("old, new, needs", [
+    (b"cpuq\x06Kd", b"cpuq\x06K\xc8", 1600),  # the storage: 200 elements, the record holds 100
+    (b"QK\x00Kd", b"QK\x0aKd", 880),           # the view: from element 10, 100 long, past the storage's end
+])
+def test_pickle_pointing_past_its_record(folder, old, new, needs):
+    """A pickle whose tensor reaches beyond its data record: load_into refuses
+    it by name before writing anything, instead of reading a neighbour's bytes."""
+    path = folder / "lie.pt"
+    original_save()({"w": torch.arange(100)}, path)
+    data = path.read_bytes()
+    assert data.count(old) == 1  # torch 2.13's pickle of this dict
+    path.write_bytes(data.replace(old, new))
+    dst = torch.full((100,), 7)
+    with pytest.raises(CheckpointError, match=rf"lie.pt: the tensor 'w' needs {needs} bytes of record 'data/0', "
+                                              r"which holds 800; the file is corrupt"):
+        fastpersist.load_into({"w": dst}, path)
+    assert (dst == 7).all()
+
+
 def test_bit_flip_in_tensor_data_is_caught_by_verify(folder):
     path = checkpoint(folder)
     record = index_of(path).records["data/0"]
