@@ -389,11 +389,17 @@ def result_rows(series: list, engines: list) -> list:
 
 
 def report_lines(rows: list) -> list:
-    body = [(r["operation"], r["mechanism"], r["engine"], f"{r['median_s']:.3f}", fmt(r["gb_per_s"]),
+    body = [(r["operation"], r["mechanism"], r["engine"], f"{r['median_s']:.3f}", _spread(r), fmt(r["gb_per_s"]),
              fmt(r["gib_per_s"]), fmt(r["x_vanilla"]), fmt(r["x_ceiling"]),
              common.phases_text(r["phases_s"])) for r in rows]
-    return common.table(["operation", "mechanism", "engine", "median s", "GB/s", "GiB/s", "x vanilla",
-                         "x ceiling", "where the time went (median s)"], body, right=range(3, 8))
+    return common.table(["operation", "mechanism", "engine", "median s", "spread", "GB/s", "GiB/s", "x vanilla",
+                         "x ceiling", "where the time went (median s)"], body, right=range(3, 9))
+
+
+def _spread(row: dict) -> str:
+    """How far apart the rounds were: (slowest - fastest) / median. Ratios
+    between rows that differ by less than their spreads are not findings."""
+    return f"{(row['max_s'] - row['min_s']) / row['median_s'] * 100:.0f}%" if row["median_s"] else "-"
 
 
 def headline_lines(rows: list) -> list:
@@ -439,7 +445,7 @@ def run(args) -> int:
              "tensors": bench.tensor_count, "tensor_bytes": sum(s.nbytes() for s in bench.storages),
              "file_bytes": bench.file_size, "build_s": bench.build_seconds}
     method = (f"{args.repeats} round{'s' if args.repeats > 1 else ''}; each runs every mechanism once, in an order rotating by one per round; "
-              "medians. Saves include fsync; loads touch every byte they return and start from a dropped page "
+              "medians; spread: (slowest - fastest round) / median. Saves include fsync; loads touch every byte they return and start from a dropped page "
               "cache. Fresh process: a new process per load, forked from a server that has imported only torch "
               "and fastpersist (the import is not timed). Same process: loads one after another in this "
               "process (engine buffers reused). x vanilla: torch's time / this time; x ceiling: the raw engine's "
