@@ -7,7 +7,9 @@ routed them (``patching`` swaps the public names; the source patch in
 """
 from __future__ import annotations
 
+import collections
 import io
+import pickle
 from typing import Callable
 
 import torch
@@ -78,6 +80,63 @@ def unpickle_from(zip_reader, map_location, unpickler, **pickle_load_args):
 
 def weights_only_unpickler():
     return _ts._weights_only_unpickler
+
+
+def unpickle_weights_only(zip_reader, map_location, **pickle_load_args):
+    """torch.load(weights_only=True)'s unpickling: torch's own, or the same
+    result faster where the pickle is a plain state dict.
+
+    torch's weights-only unpickler interprets the pickle in Python (0.016 s
+    for GPT-2's 269 tensors here, against 0.006 s for CPython's C unpickler
+    with the globals below). The C unpickler goes first; any global outside
+    the few a plain state dict uses, a protocol other than torch's 2, or
+    any error hands the whole pickle to torch's unpickler, which then allows
+    or refuses it (and words its refusal) as torch.load does."""
+    try:
+        return _ts._load(zip_reader, map_location, _PlainStateUnpickling, **pickle_load_args)
+    except Exception:
+        return _ts._load(zip_reader, map_location, _ts._weights_only_unpickler, **pickle_load_args)
+
+
+class _PlainStateUnpickler(pickle.Unpickler):
+    """CPython's C unpickler, allowed only globals that torch's weights-only
+    unpickler allows too, and that a state dict of dense tensors needs.
+    torch's _load resolves storage classes itself, before find_class.
+
+    No object can be built but from these: the C unpickler reaches every
+    class and function through find_class (GLOBAL, STACK_GLOBAL, INST, OBJ
+    and the extension registry alike), and REDUCE, NEWOBJ and BUILD act only
+    on what is on the stack. tests/test_load.py checks that torch still
+    allows each of them."""
+
+    def __init__(self, file, *, encoding: str = "bytes"):  # the signature of torch's weights-only Unpickler
+        if file.read(2) != b"\x80\x02":  # torch saves protocol 2; torch warns on others: let it
+            raise _NeedsTorchUnpickler("not pickle protocol 2")
+        file.seek(0)
+        super().__init__(file, encoding=encoding)
+
+    def find_class(self, module: str, name: str):
+        found = PLAIN_STATE_GLOBALS.get((module, name))
+        if found is None:
+            raise _NeedsTorchUnpickler(f"{module}.{name}")
+        return found
+
+
+class _NeedsTorchUnpickler(pickle.UnpicklingError):
+    pass
+
+
+class _PlainStateUnpickling:
+    """What torch's _load takes as its pickle_module."""
+
+    Unpickler = _PlainStateUnpickler
+
+
+PLAIN_STATE_GLOBALS = {
+    ("collections", "OrderedDict"): collections.OrderedDict,  # state_dict() and its _metadata
+    ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,  # every dense tensor
+    ("torch._utils", "_rebuild_parameter"): torch._utils._rebuild_parameter,  # nn.Parameter (keep_vars=True)
+}
 
 
 def default_to_weights_only(pickle_module) -> bool:

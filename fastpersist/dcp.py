@@ -490,7 +490,7 @@ def _locate_tensor(head, tail, length: int, where: str):
             return None
         reader = torch_format.TorchArchiveReader(index, read_at)
         # map_location="meta": shapes and where each storage's bytes start, no data
-        meta = _torch_api.unpickle_from(reader, "meta", _torch_api.weights_only_unpickler(), encoding="utf-8")
+        meta = _torch_api.unpickle_weights_only(reader, "meta", encoding="utf-8")
     except _OutsideEdges:
         return None
     if not isinstance(meta, torch.Tensor) or meta.layout != torch.strided or meta.is_quantized or not meta.numel():
@@ -515,7 +515,7 @@ def _tensor_from_archive(memory: "_Memory", at: int, length: int, where: str) ->
     index.resolve(read_at)
     storage = torch.frombuffer(memory.buffer, dtype=torch.uint8, count=length, offset=at).untyped_storage()
     reader = torch_format.TorchArchiveReader(index, read_at, storage)
-    value = _torch_api.unpickle_from(reader, "cpu", _torch_api.weights_only_unpickler(), encoding="utf-8")
+    value = _torch_api.unpickle_weights_only(reader, "cpu", encoding="utf-8")
     if not isinstance(value, torch.Tensor):
         raise torch_format.CheckpointError(f"{where}: holds a {type(value).__name__}, not a tensor")
     return value

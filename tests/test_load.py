@@ -179,6 +179,61 @@ def test_safe_globals_behave_the_same(folder):
     same_as_torch(folder / "a.pt", weights_only=False)
 
 
+class _CountingUnpickler:
+    """Counts the pickles torch's weights-only unpickler interprets."""
+
+    def __init__(self, monkeypatch):
+        self.loads = 0
+        real = torch._weights_only_unpickler.Unpickler.load
+
+        def load(unpickler):
+            self.loads += 1
+            return real(unpickler)
+        monkeypatch.setattr(torch._weights_only_unpickler.Unpickler, "load", load)
+
+
+def test_plain_state_dicts_are_unpickled_without_torchs_python_unpickler(folder, monkeypatch):
+    # the fast path (_torch_api.unpickle_weights_only): same objects as torch.load, torch's unpickler not run
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    state = {"model": model.state_dict(), "params": list(model.parameters()), "step": 7,
+             "groups": [{"lr": 0.1, "betas": (0.9, 0.99), "nesterov": False, "name": "all", "none": None}]}
+    original_save()(state, folder / "p.pt")
+    expected = torch_load(folder / "p.pt")
+    counting = _CountingUnpickler(monkeypatch)
+    got = same_as_torch(folder / "p.pt")
+    assert counting.loads == 1  # torch_load's own, inside same_as_torch
+    assert type(got["params"][0]) is torch.nn.Parameter
+    assert got["model"]._metadata == expected["model"]._metadata
+    target = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    fastpersist.load_into({"model": target.state_dict()}, folder / "p.pt", strict=False)
+    assert counting.loads == 1
+    assert all(torch.equal(target.state_dict()[k], v) for k, v in model.state_dict().items())
+
+
+def test_other_pickles_go_to_torchs_unpickler(folder, monkeypatch):
+    # a global outside the fast path's few (a dtype, a Size): torch's unpickler decides, with the same result
+    original_save()({"t": torch.ones(2), "dtype": torch.float16, "shape": torch.Size([2, 3])}, folder / "g.pt")
+    counting = _CountingUnpickler(monkeypatch)
+    same_as_torch(folder / "g.pt")
+    assert counting.loads == 2  # torch.load's and fastpersist.load's
+    # pickle protocol 4: torch's unpickler warns and refuses it; so does fastpersist.load
+    original_save()({"t": torch.ones(2)}, folder / "p4.pt", pickle_protocol=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        same_error(lambda: torch_load(folder / "p4.pt"), lambda: fastpersist.load(folder / "p4.pt"))
+    assert sum("pickle protocol 4" in str(w.message) for w in caught) == 2
+
+
+def test_the_fast_paths_globals_are_allowed_by_torch_too():
+    # should a torch release drop one from its allowlist, the fast path must drop it as well
+    from fastpersist import _torch_api
+
+    allowed = list(torch._weights_only_unpickler._get_allowed_globals().values())
+    for (module, name), value in _torch_api.PLAIN_STATE_GLOBALS.items():
+        assert any(value is a for a in allowed), f"{module}.{name}"
+        assert getattr(__import__(module, fromlist=[name]), name) is value
+
+
 def test_argument_errors_and_environment_like_torch(folder, monkeypatch):
     original_save()({"t": torch.ones(2)}, folder / "a.pt")
     same_error(lambda: torch_load(folder / "a.pt", pickle_module=pickle, weights_only=True),
