@@ -203,3 +203,17 @@ def test_cache_dropper_checks_with_mincore(tmp_path):
 def test_filesystem_of_reports_mount_options(tmp_path):
     fs = cli.filesystem_of(str(tmp_path))
     assert fs is not None and fs["options"].startswith(("rw", "ro"))
+
+
+def test_ceiling_touches_the_loads_pieces():
+    # the raw read's touch goes over the same pieces a load returns, in order, within the memory read
+    import mmap
+
+    import torch
+
+    memory = mmap.mmap(-1, 100)
+    memory[:] = bytes(range(100))
+    pieces = common.pieces_of(memory, [40, 8, 40, 40], torch.float32)
+    assert [p.numel() * 4 for p in pieces] == [40, 8, 40, 12]
+    assert [p.data_ptr() - pieces[0].data_ptr() for p in pieces] == [0, 40, 48, 88]
+    assert bytes(pieces[1].numpy().tobytes()) == bytes(range(40, 48))

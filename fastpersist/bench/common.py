@@ -275,6 +275,24 @@ def touch_all(obj) -> None:
             t.sum()
 
 
+def pieces_of(memory, sizes: Sequence[int], dtype) -> list:
+    """Tensors over consecutive pieces of memory, of the given byte sizes: the
+    ceiling touches what it read in the pieces a load returns, so that both
+    pay the same per-tensor cost for touching (269 sums against one cost
+    ~0.01-0.03 s more for 2 GB here)."""
+    import torch
+
+    item = torch.empty((), dtype=dtype).element_size()
+    views, offset = [], 0
+    for n in sizes:
+        count = min(n, len(memory) - offset) // item
+        if count <= 0:
+            break
+        views.append(torch.frombuffer(memory, dtype=dtype, count=count, offset=offset))
+        offset += count * item
+    return views
+
+
 def raw_read(path: str, address: int, size: int, options) -> int:
     """The ceiling of a load: the file's bytes into memory at address, by the
     engine alone (no format), the way fastpersist's loads read: through the

@@ -290,11 +290,11 @@ class DefaultBench:
             options = self.opts(engine)
 
             def measure():
-                floats = self.torch.frombuffer(self.raw_memory, dtype=self.torch.float32, count=self.file_size // 4)
+                pieces = common.pieces_of(self.raw_memory, [s.nbytes() for s in self.storages], self.dtype)
                 start = time.perf_counter()
                 got = common.raw_read(path, self.raw_buffer.data_ptr(), self.file_size, options)
                 read = time.perf_counter()
-                floats.sum()
+                common.touch_all(pieces)
                 end = time.perf_counter()
                 if got != self.file_size:
                     raise BenchError(f"the raw read got {got} of {self.file_size} bytes")
@@ -320,10 +320,10 @@ class DefaultBench:
         operation, path, out = "load, fresh process", self.checkpoint, []
 
         def in_fresh_process(mechanism: str, engine: Optional[str]):
-            spec = {"kind": "load", "mechanism": mechanism, "path": path,
-                    "options": dataclasses.asdict(self.opts(engine or "auto"))}
-
             def measure():
+                spec = {"kind": "load", "mechanism": mechanism, "path": path,
+                        "options": dataclasses.asdict(self.opts(engine or "auto")),
+                        "pieces": [s.nbytes() for s in self.storages], "dtype": str(self.dtype).split(".")[-1]}
                 result = self.fresh.run(spec)
                 return result["seconds"], result["phases"]
             return measure
