@@ -293,16 +293,22 @@ def pieces_of(memory, sizes: Sequence[int], dtype) -> list:
     return views
 
 
-def raw_read(path: str, address: int, size: int, options) -> int:
+def raw_read(path: str, address: int, size: int, options, fresh_memory: bool = False) -> int:
     """The ceiling of a load: the file's bytes into memory at address, by the
     engine alone (no format), the way fastpersist's loads read: through the
     engine's registered buffers, copied out on its helper thread (as fio
-    reads with --fixedbufs). Returns the bytes read."""
-    from fastpersist.fileio import reading_engine
+    reads with --fixedbufs). Returns the bytes read.
+
+    fresh_memory: the memory was just mapped and never touched; a helper
+    thread faults it in ahead of the copies, as fastpersist.load does."""
+    from fastpersist.fileio import read_extents, reading_engine
 
     fd = os.open(path, os.O_RDONLY)
     try:
         with reading_engine(path, options) as (engine, direct_fd):
+            if fresh_memory:
+                read_extents(engine, direct_fd, fd, path, [(address, 0, size)], checksums=False, prefault=True)
+                return size  # read_extents raises EOFError on a short read
             got, _ = engine.read_extents(direct_fd, fd, [(address, 0, size)], path)
     finally:
         os.close(fd)

@@ -340,6 +340,8 @@ class DefaultBench:
                                  in_fresh_process("fastpersist.load", engine), prepare))
             out.append(Mechanism(Series(operation, "raw engine read (ceiling)", engine, role="ceiling"),
                                  in_fresh_process("raw engine read", engine), prepare))
+            out.append(Mechanism(Series(operation, "raw engine read, fresh memory", engine),
+                                 in_fresh_process("raw engine read, fresh memory", engine), prepare))
         return out
 
     # -- the rounds ----------------------------------------------------------
