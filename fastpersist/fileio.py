@@ -69,12 +69,21 @@ def read_extents(engine: _engine.Engine, direct_fd: int, fd: int, path: str, ext
     without initialising its weights, as a restart builds it): a helper
     thread faults their pages in ahead of the copies, so page faults overlap
     the I/O instead of stalling the engine's copy loop."""
-    helper = _Prefault(extents) if prefault else None
-    try:
+    with prefaulting(extents) if prefault else contextlib.nullcontext():
         return _read_extents(engine, direct_fd, fd, path, extents, checksums)
+
+
+@contextlib.contextmanager
+def prefaulting(extents):
+    """_Prefault's helper for the (address, offset, nbytes) extents while the
+    block runs. Entered before taking an engine, it faults memory in while a
+    new engine is created (in a fresh process: 10-140 ms here to lock and
+    register its buffers, which the reads would otherwise wait for)."""
+    helper = _Prefault(extents)
+    try:
+        yield
     finally:
-        if helper is not None:
-            helper.stop()
+        helper.stop()
 
 
 def _read_extents(engine: _engine.Engine, direct_fd: int, fd: int, path: str, extents, checksums: bool) -> dict:
@@ -105,7 +114,10 @@ class _Prefault:
     copies fault the pages in themselves). Pages already present cost a
     page-table walk; their contents are never changed."""
 
-    MIN_BYTES = 64 << 20  # below this the thread is not worth starting
+    # below this the thread is not worth starting; above it, it pays even for
+    # small checkpoints: a 50 MB load into fresh memory read in 0.025 s with
+    # it, 0.046 s without (4 alternating rounds)
+    MIN_BYTES = 16 << 20
     MADV_POPULATE_WRITE = 23
     PIECE = 8 << 20
 

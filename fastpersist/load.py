@@ -17,6 +17,7 @@ engine's buffers into its destination.
 """
 from __future__ import annotations
 
+import contextlib
 import mmap as _mmap
 import os
 import pickle
@@ -26,7 +27,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple, Optional
 
 from . import _engine, _torch_api
-from .fileio import read_extents, reading_engine
+from .fileio import prefaulting, read_extents, reading_engine
 from .options import Options, current_options
 from .torch_format import ArchiveIndex, CheckpointError, TorchArchiveReader, view_end
 
@@ -181,18 +182,20 @@ class _CheckpointImage:
             if hasattr(_mmap, "MADV_NOHUGEPAGE"):
                 memory.madvise(_mmap.MADV_NOHUGEPAGE)
         address = int(ffi.cast("uintptr_t", ffi.from_buffer(memory)))
+        extents = [(address, 0, self.size)]
         try:
-            with reading_engine(self.path, self.options) as (engine, direct_fd):
+            # fresh memory: faulted in by a helper thread ahead of the copies,
+            # started before the engine, which may still have to be created
+            with prefaulting(extents) if fresh else contextlib.nullcontext(), \
+                    reading_engine(self.path, self.options) as (engine, direct_fd):
                 # Through the engine's registered buffers, copied out on the
                 # engine's helper thread, not O_DIRECT straight into the
                 # mapping: the device's DMA then lands in a few physically
                 # contiguous buffers instead of the mapping's scattered pages
                 # (on a virtio disk here, straight-in reads ran at 0.57x into
                 # fragmented memory). A 2 GB load: 1.24x faster in a fresh
-                # process, 1.20x in one that loads repeatedly. Fresh memory has
-                # a helper thread fault its pages in ahead of the copies.
-                read_extents(engine, direct_fd, self.fd, self.path, [(address, 0, self.size)], checksums=False,
-                             prefault=fresh)
+                # process, 1.20x in one that loads repeatedly.
+                read_extents(engine, direct_fd, self.fd, self.path, extents, checksums=False)
         except BaseException as exc:
             _freed_images.give_back(memory)
             if isinstance(exc, EOFError):
@@ -490,9 +493,9 @@ class _Plan:
         """Reads (address, offset, nbytes) extents in passes of non-overlapping
         ones (tied tensors share file bytes); returns {(offset, nbytes): crc}
         with checksums."""
-        with reading_engine(image.path, image.options) as (engine, direct_fd):
+        with prefaulting(extents), reading_engine(image.path, image.options) as (engine, direct_fd):
             try:
-                return read_extents(engine, direct_fd, image.fd, image.path, extents, checksums, prefault=True)
+                return read_extents(engine, direct_fd, image.fd, image.path, extents, checksums)
             except EOFError:
                 raise CheckpointError(f"{image.path}: the file ended early while reading tensors "
                                       "(did it shrink while being read?)") from None

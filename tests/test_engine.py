@@ -312,6 +312,36 @@ def test_pread_into_fresh_memory_with_prefault(engine, tmp_path):
     memory.close()
 
 
+def test_prefaulting_brings_memory_in_without_changing_it():
+    """fileio.prefaulting, which loads enter before taking an engine: the
+    helper faults the extents' pages in while the block runs, and leaves
+    what the memory holds as it was."""
+    import ctypes
+    import mmap
+    import time
+
+    from fastpersist.fileio import _libc, prefaulting
+
+    size, page = 24 << 20, mmap.PAGESIZE
+    memory = mmap.mmap(-1, size)
+    memory[:5] = b"keep!"  # one page already in, with data
+    address = ctypes.addressof(ctypes.c_char.from_buffer(memory))
+    resident = (ctypes.c_ubyte * (size // page))()
+
+    def pages_in():
+        assert _libc().mincore(address, size, resident) == 0
+        return sum(b & 1 for b in resident)
+
+    assert pages_in() < size // page // 2
+    with prefaulting([(address + page, 4096, size - 2 * page)]):
+        deadline = time.monotonic() + 10
+        while pages_in() < size // page - 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert pages_in() >= size // page - 1  # all but the last page, outside the extent
+    assert memory[:5] == b"keep!" and not any(memory[page:size - page])
+    memory.close()
+
+
 @pytest.mark.parametrize("first_closes", ["head", "tail"])
 def test_two_writers_of_one_file_keep_each_others_bytes(engine, tmp_path, first_closes):
     """A writer that truncates and starts the file does not own its end unless
