@@ -122,13 +122,19 @@ def test_sigkill_at_any_point_leaves_old_or_new_checkpoint(folder, engine, check
     fastpersist.save(a, dest, engine=engine)
     assert _which(dest, a, b) == "A"
 
-    # Calibrate: one uninterrupted save in a child, timed as the killed ones are.
-    start = time.monotonic()
-    status = _wait(_fork_save(b, dest, engine))
-    full = time.monotonic() - start
-    assert os.waitstatus_to_exitcode(status) == 0, "the uninterrupted save failed in the child"
-    assert _which(dest, a, b) == "B"
-    assert _temporaries(folder) == []
+    # Calibrate: uninterrupted saves in a child, timed as the killed ones are;
+    # the fastest of three (one slow first save on this noisy VM once spread
+    # the kills so wide that only 4 landed mid-save)
+    durations = []
+    for _ in range(3):
+        fastpersist.save(a, dest, engine=engine)
+        start = time.monotonic()
+        status = _wait(_fork_save(b, dest, engine))
+        durations.append(time.monotonic() - start)
+        assert os.waitstatus_to_exitcode(status) == 0, "the uninterrupted save failed in the child"
+        assert _which(dest, a, b) == "B"
+        assert _temporaries(folder) == []
+    full = min(durations)
 
     outcomes = []
     for k in range(KILL_POINTS):
