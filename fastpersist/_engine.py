@@ -307,6 +307,16 @@ def release(engine: Engine) -> None:
         _pool_lock.notify()
 
 
+def has_idle(options: Options) -> bool:
+    """Whether acquire(options) would hand out an engine that exists (no
+    buffers to lock and register first)."""
+    kind = options.engine if options.engine != "auto" else _auto_kind
+    if kind is None:
+        return False
+    with _pool_lock:
+        return bool(_idle.get(_pool_key(kind, options)))
+
+
 def pool_size() -> int:
     """Engines alive in this process's pool, idle or in use."""
     with _pool_lock:

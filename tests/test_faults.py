@@ -9,7 +9,7 @@ import torch
 
 import fastpersist
 from fastpersist import _engine
-from fastpersist.options import Options
+from fastpersist.options import Options, current_options
 
 from conftest import ENGINES, SMALL, leftovers, vanilla_load
 
@@ -109,6 +109,9 @@ def test_failed_read_raises(folder, engine, inject, spec, code):
 
 def _load(path, engine):
     fastpersist.patch(engine=engine, **SMALL)  # load takes its options from patch()
+    # an engine idle, as in a process that saved before: a small load finding
+    # none reads without the engine (load.SMALL_LOAD_BYTES)
+    _engine.release(_engine.acquire(current_options()))
     try:
         return fastpersist.load(path, weights_only=False)
     finally:

@@ -53,8 +53,41 @@ def same_as_torch(path, **kwargs):
 @pytest.fixture
 def engine_options(engine):
     fastpersist.patch(engine=engine, **SMALL)
+    # an engine idle, so these small loads read through it (with none idle,
+    # a load under load.SMALL_LOAD_BYTES reads without one: tested below)
+    from fastpersist import _engine
+    from fastpersist.options import current_options
+
+    _engine.release(_engine.acquire(current_options()))
     yield
     fastpersist.unpatch()
+
+
+def test_small_loads_read_without_an_engine_unless_one_is_idle(folder, monkeypatch):
+    from fastpersist import _engine
+    from fastpersist.load import _CheckpointImage
+
+    state = {"w": torch.randn(300, 300), "b": torch.arange(7), "step": 3}
+    original_save()(state, folder / "s.pt")
+    ways = []
+    for name in ("_read_without_engine", "read_all"):
+        real = getattr(_CheckpointImage, name)
+        monkeypatch.setattr(_CheckpointImage, name,
+                            lambda self, *a, _real=real, _name=name: (ways.append(_name), _real(self, *a))[1])
+    _engine.clear_pool()
+    same_as_torch(folder / "s.pt")
+    assert ways == ["read_all", "_read_without_engine"] and _engine.pool_size() == 0
+    from fastpersist.options import current_options
+
+    _engine.release(_engine.acquire(current_options()))
+    ways.clear()
+    same_as_torch(folder / "s.pt")
+    assert ways == ["read_all"] and _engine.pool_size() == 1  # the idle engine read it
+    monkeypatch.setattr(sys.modules["fastpersist.load"], "SMALL_LOAD_BYTES", 0)
+    _engine.clear_pool()
+    ways.clear()
+    same_as_torch(folder / "s.pt")
+    assert ways == ["read_all"] and _engine.pool_size() == 1  # at any size above it, an engine is made
 
 
 def test_torch_save_to_fastpersist_load(folder, engine_options):
