@@ -78,10 +78,6 @@ def unpickle_from(zip_reader, map_location, unpickler, **pickle_load_args):
     return _ts._load(zip_reader, map_location, unpickler, **pickle_load_args)
 
 
-def weights_only_unpickler():
-    return _ts._weights_only_unpickler
-
-
 def unpickle_weights_only(zip_reader, map_location, **pickle_load_args):
     """torch.load(weights_only=True)'s unpickling: torch's own, or the same
     result faster where the pickle is a plain state dict.

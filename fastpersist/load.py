@@ -1,9 +1,10 @@
 """fastpersist.load and fastpersist.load_into: torch.load's format and
 behaviour, read through the engine.
 
-``load`` reads the whole checkpoint through the engine's buffers into one
-page-aligned mapping (reused from freed results, or fresh with a helper
-thread faulting its pages in ahead of the copies) and hands it to torch's
+``load`` reads the whole checkpoint through the engine's buffers (a small
+one with no engine idle, through the page cache) into one page-aligned
+mapping (reused from freed results, or fresh with a helper thread faulting
+its pages in ahead of the copies) and hands it to torch's
 own unpickling (``torch.serialization._load``) as the storage every
 tensor is sliced from, the way ``torch.load(mmap=True)`` slices a file
 mapping: no copy after the read, and torch's own handling of ``map_location``,
