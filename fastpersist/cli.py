@@ -447,7 +447,7 @@ def _add_bench_parser(commands) -> None:
     bench.add_argument("--engines", type=_engines_argument, default="auto",
                        help="auto (the engine fastpersist picks here), all, or a list such as io_uring,libaio "
                             "(default: auto)")
-    _common_bench_arguments(bench, repeats=5)
+    _common_bench_arguments(bench, repeats=7)
     bench.set_defaults(func=_cmd_bench, bench_command=None)
     kinds = bench.add_subparsers(dest="bench_command", metavar="{sweep,restart}")
 

@@ -55,7 +55,8 @@ def test_default_bench(tmp_path):
     mechanisms = {(r["operation"], r["mechanism"]) for r in results}
     for expected in [("save, new file", "raw engine write (ceiling)"), ("load, fresh process", "torch.load(mmap=True)"),
                      ("load, same process", "fastpersist.load_into (existing model)"),
-                     ("load, fresh process", "raw engine read (ceiling)")]:
+                     ("load, fresh process", "raw engine read, fresh memory (ceiling)"),
+                     ("load, fresh process", "raw engine read, memory touched beforehand")]:
         assert expected in mechanisms
     for r in results:
         assert r["median_s"] > 0 and r["gb_per_s"] > 0 and r["rounds"] == 1
@@ -168,10 +169,14 @@ def test_missing_package_names_the_extra(tmp_path, capsys, monkeypatch):
 # -- pieces ---------------------------------------------------------------------
 
 
-def test_rotation_runs_each_mechanism_first_once():
-    items = ["a", "b", "c"]
-    assert [common.rotated(items, r)[0] for r in range(3)] == items
-    assert sorted(common.rotated(items, 5)) == items
+def test_round_order_changes_neighbours_and_repeats():
+    items = list("abcdef")
+    orders = [common.round_order(items, r) for r in range(7)]
+    assert orders[0] == items
+    assert all(sorted(o) == items for o in orders)
+    assert orders == [common.round_order(items, r) for r in range(7)]  # seeded: a run can be repeated
+    before_c = {o[o.index("c") - 1] if o.index("c") else None for o in orders}
+    assert len(before_c) >= 3  # not the same neighbour round after round
 
 
 def test_sharding_keeps_tied_tensors_together():
@@ -217,3 +222,15 @@ def test_ceiling_touches_the_loads_pieces():
     assert [p.numel() * 4 for p in pieces] == [40, 8, 40, 12]
     assert [p.data_ptr() - pieces[0].data_ptr() for p in pieces] == [0, 40, 48, 88]
     assert bytes(pieces[1].numpy().tobytes()) == bytes(range(40, 48))
+
+
+def test_ratios_pair_the_rounds():
+    # each round's two times are compared with each other: the third round
+    # was slow for both and cancels, where a ratio of medians mixes rounds
+    reference = common.Series("load", "ceiling", times=[1.0, 1.0, 3.0])
+    series = common.Series("load", "mine", times=[1.25, 3.0, 3.75])
+    assert common.ratio(reference, series) == 0.8  # median of 0.8, 1/3, 0.8
+    assert abs(reference.median / series.median - 1 / 3) < 1e-9
+    unpaired = common.Series("load", "mine", times=[2.0, 2.0])
+    assert common.ratio(reference, unpaired) == 0.5  # rounds that do not pair up: medians
+    assert common.ratio(None, series) is None and common.ratio(reference, common.Series("load", "none")) is None

@@ -3,8 +3,9 @@ dropping the page cache, the machine's description, fresh processes,
 interleaved rounds, medians, tables and the CSV and JSON files.
 
 Units: GB = 10^9 bytes, GiB = 2^30 bytes; times are medians of rounds, and
-every round runs every mechanism once, in an order that rotates from round to
-round so that drifting machine noise hits them alike.
+every round runs every mechanism once, in an order shuffled from round to
+round so that drifting machine noise, and what one mechanism leaves behind
+for the next, hit them alike; ratios pair the times of the same round.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import mmap
 import multiprocessing
 import os
 import platform
+import random
 import shutil
 import statistics
 import sys
@@ -554,12 +556,17 @@ class FreshProcesses:
 # timing
 
 
-def rotated(items: Sequence, round_index: int) -> list:
-    """Round r starts with item r (mod n): each mechanism runs first once in n rounds."""
-    if not items:
-        return []
-    k = round_index % len(items)
-    return list(items[k:]) + list(items[:k])
+def round_order(items: Sequence, round_index: int) -> list:
+    """The order of round r: round 0 as given, later rounds shuffled (seeded
+    by r, so a run can be repeated). Shuffled rather than rotated: rotating
+    keeps every mechanism behind the same neighbour round after round, and
+    what a neighbour leaves behind shows. A raw read right after a
+    torch.load(mmap=True) had freed its page cache took 0.79 s here, right
+    after another read 0.75 s (8 alternating rounds each)."""
+    order = list(items)
+    if round_index:
+        random.Random(round_index).shuffle(order)
+    return order
 
 
 class PhaseClock:
@@ -647,9 +654,17 @@ class Series:
 
 
 def ratio(reference: Optional[Series], series: Series) -> Optional[float]:
-    """How many times faster series is than reference (reference time / series time)."""
+    """How many times faster series is than reference: the median over rounds
+    of reference's time / series's time in the same round. Both ran in every
+    round, close together, so a slow stretch of a noisy machine slows both
+    and cancels: across four 5-round runs here, same-process loads came to
+    0.90-0.96x their ceiling this way, 0.86-0.97x as a ratio of the two
+    medians. Where the
+    rounds do not pair up, the ratio of the medians."""
     if reference is None or not reference.times or not series.times or series.median <= 0:
         return None
+    if len(reference.times) == len(series.times) and all(t > 0 for t in series.times):
+        return statistics.median(r / t for r, t in zip(reference.times, series.times))
     return reference.median / series.median
 
 

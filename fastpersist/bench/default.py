@@ -1,7 +1,7 @@
 """``fastpersist bench``: save and load one real model's checkpoint on this
 machine, against vanilla torch and against the raw engine.
 
-Measured, each in every round, in a rotating order:
+Measured, each in every round, in an order shuffled from round to round:
 
 - save to a new file, and save over an existing checkpoint (the "latest.pt"
   habit): ``torch.save`` + fsync, ``fastpersist.save`` per engine, and the
@@ -9,9 +9,12 @@ Measured, each in every round, in a rotating order:
   padded to the checkpoint's size) to a new file;
 - load in a fresh process (a restart) and in the same process again and
   again: ``torch.load``, ``torch.load(mmap=True)``, ``fastpersist.load`` per
-  engine and the ceiling, the raw engine reading the file into memory that
-  exists and is touched; in the same process also ``fastpersist.load_into``
-  the model that already exists.
+  engine and the ceiling, the raw engine reading the file (in a fresh
+  process into memory it maps then, as any load there must; in the same
+  process into memory that exists and is touched, as repeated loads reuse
+  it); in a fresh process also the raw read into memory touched beforehand,
+  which shows the fresh memory's cost; in the same process also
+  ``fastpersist.load_into`` the model that already exists.
 
 Every save includes its fsync; every load touches every byte it returns and
 starts with the file dropped from the page cache.
@@ -339,10 +342,16 @@ class DefaultBench:
         for engine in self.engines:
             out.append(Mechanism(Series(operation, "fastpersist.load", engine, role="fastpersist"),
                                  in_fresh_process("fastpersist.load", engine), prepare))
-            out.append(Mechanism(Series(operation, "raw engine read (ceiling)", engine, role="ceiling"),
-                                 in_fresh_process("raw engine read", engine), prepare))
-            out.append(Mechanism(Series(operation, "raw engine read, fresh memory", engine),
+            # The ceiling of a load in a fresh process reads into memory it has
+            # just mapped, as every loader there must: no process can restart
+            # into memory that was faulted in before it started. The read into
+            # memory touched beforehand shows what the memory costs on top of
+            # the device (its x ceiling above 1).
+            out.append(Mechanism(Series(operation, "raw engine read, fresh memory (ceiling)", engine,
+                                        role="ceiling"),
                                  in_fresh_process("raw engine read, fresh memory", engine), prepare))
+            out.append(Mechanism(Series(operation, "raw engine read, memory touched beforehand", engine),
+                                 in_fresh_process("raw engine read", engine), prepare))
         return out
 
     # -- the rounds ----------------------------------------------------------
@@ -354,7 +363,7 @@ class DefaultBench:
             for m in mechanisms:
                 m.series.nbytes = self.file_size
             for round_index in range(self.args.repeats):
-                for m in common.rotated(mechanisms, round_index):
+                for m in common.round_order(mechanisms, round_index):
                     bar.set_postfix_str(f"round {round_index + 1}: {m.series.operation}: {m.series.mechanism}"
                                         + (f" [{m.series.engine}]" if m.series.engine != "-" else ""))
                     m.prepare()
@@ -447,13 +456,16 @@ def run(args) -> int:
              "layers_of_base": bench.base_layers, "note": config.note, "dtype": args.dtype,
              "tensors": bench.tensor_count, "tensor_bytes": sum(s.nbytes() for s in bench.storages),
              "file_bytes": bench.file_size, "build_s": bench.build_seconds}
-    method = (f"{args.repeats} round{'s' if args.repeats > 1 else ''}; each runs every mechanism once, in an order rotating by one per round; "
-              "medians; spread: (slowest - fastest round) / median. Saves include fsync; loads touch every byte they return and start from a dropped page "
-              "cache. Fresh process: a new process per load, forked from a server that has imported only torch "
-              "and fastpersist (the import is not timed). Same process: loads one after another in this "
+    method = (f"{args.repeats} round{'s' if args.repeats > 1 else ''}; each runs every mechanism once, round 1 in "
+              "a fixed order, later rounds shuffled; medians; spread: (slowest - fastest round) / median. Saves "
+              "include fsync; loads touch every byte they return and start from a dropped page cache. Fresh "
+              "process: a new process per load, forked from a server that has imported only torch and "
+              "fastpersist (the import is not timed). Same process: loads one after another in this "
               "process (engine buffers reused). x vanilla: torch's time / this time; x ceiling: the raw engine's "
-              "time / this time (1.00 = as fast as the engine with no format; a save over an existing file compares "
-              "with the raw write to a new one). GB = 1e9 bytes, GiB = 2^30.")
+              "time / this time (1.00 = as fast as the engine with no format, with its engine started and, in a "
+              "fresh process, reading into memory mapped there; a save over an existing file compares with the "
+              "raw write to a new one); both ratios are medians over rounds of the two times in the same round. "
+              "GB = 1e9 bytes, GiB = 2^30.")
     echo(f"fastpersist bench: save and load a {bench.file_size / GB:.2f} GB checkpoint: "
          f"{bench.base_name} layout, {common.plural(config.layers, 'layer')}"
          + (f" (it has {bench.base_layers})" if config.layers != bench.base_layers else "")

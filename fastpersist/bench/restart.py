@@ -218,7 +218,7 @@ def run(args) -> int:
                                          role="vanilla" if m == RESTART[0] else "other") for m in RESTART})
                 work = [("checkpoint", m) for m in CHECKPOINT] + [("restart", m) for m in RESTART]
                 for round_index in range(args.repeats):
-                    for phase, mechanism in common.rotated(work, round_index):
+                    for phase, mechanism in common.round_order(work, round_index):
                         bar.set_postfix_str(f"{name} round {round_index + 1}: {phase}: {mechanism}")
                         if phase == "checkpoint":
                             folder = workspace.file("checkpoint-timing")
@@ -278,9 +278,10 @@ def run(args) -> int:
     echo(f"engine: {engine}; options {common.options_text(options)}")
     echo(f"page cache: {dropper.describe()}")
     echo(f"method: {args.repeats} round{'s' if args.repeats > 1 else ''} per model, each running every mechanism "
-         "once in a rotating order; medians. Restart: in a fresh process forked from a server that has imported "
-         "only torch and fastpersist (the import is not timed); build (uninitialised, or on the meta device), "
-         "restore, first step (p.add_(0) on every parameter). x vanilla: torch's time / this time.")
+         "once, in an order shuffled from round to round; medians. Restart: in a fresh process forked from a "
+         "server that has imported only torch and fastpersist (the import is not timed); build (uninitialised, or on the meta device), "
+         "restore, first step (p.add_(0) on every parameter). x vanilla: torch's time / this time, the median "
+         "over rounds of the two times in the same round.")
     echo()
     body = [(r["model"], f"{r['bytes'] / GB:.2f}", r["files"], r["phase"], r["mechanism"], f"{r['median_s']:.3f}",
              fmt(r["gb_per_s"]), fmt(r["x_vanilla"]), common.phases_text(r["phases_s"])) for r in rows]

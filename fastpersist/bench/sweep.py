@@ -136,7 +136,7 @@ def run(args) -> int:
                 bar.update()
             work = [(s, c) for s in subjects for c in grid]
             for round_index in range(args.repeats):
-                for subject, combo in common.rotated(work, round_index):
+                for subject, combo in common.round_order(work, round_index):
                     size, model, path, nbytes, _, _ = subject
                     bar.set_postfix_str(f"round {round_index + 1}: {size:g} GB {combo.engine} {combo.label()}")
                     opts = options.replace(**dataclasses.asdict(combo))
@@ -182,7 +182,8 @@ def run(args) -> int:
          f"(options {common.options_text(options)})")
     echo(f"page cache: {dropper.describe()}")
     echo(f"method: {args.repeats} round{'s' if args.repeats > 1 else ''}, each running every combination once "
-         "in a rotating order; medians. Each combination's engine is started before its timings.")
+         "in an order shuffled from round to round; medians. Each combination's engine is started before its "
+         "timings.")
     echo()
     by_combo: dict = {}
     for r in rows:
