@@ -234,3 +234,14 @@ def test_ratios_pair_the_rounds():
     unpaired = common.Series("load", "mine", times=[2.0, 2.0])
     assert common.ratio(reference, unpaired) == 0.5  # rounds that do not pair up: medians
     assert common.ratio(None, series) is None and common.ratio(reference, common.Series("load", "none")) is None
+
+
+def test_touch_all_reads_a_tied_tensor_once(monkeypatch):
+    import torch
+
+    weight = torch.ones(8)
+    summed = []
+    real_sum = torch.Tensor.sum
+    monkeypatch.setattr(torch.Tensor, "sum", lambda self, *a, **k: summed.append(self.numel()) or real_sum(self))
+    common.touch_all({"embed": weight, "head": weight, "half": weight[:4], "list": [weight.view(2, 4)]})
+    assert summed == [8, 4, 8]  # the head is the embedding; a part or a reshaped view is not
