@@ -308,16 +308,19 @@ def raw_read(path: str, address: int, size: int, options, fresh_memory: bool = F
     reads with --fixedbufs). Returns the bytes read.
 
     fresh_memory: the memory was just mapped and never touched; a helper
-    thread faults it in ahead of the copies, as fastpersist.load does."""
-    from fastpersist.fileio import read_extents, reading_engine
+    thread faults it in ahead of the copies, started before the engine is
+    taken (it may have to be created), as fastpersist.load does."""
+    from fastpersist.fileio import prefaulting, read_extents, reading_engine
 
+    extents = [(address, 0, size)]
     fd = os.open(path, os.O_RDONLY)
     try:
-        with reading_engine(path, options) as (engine, direct_fd):
+        with prefaulting(extents) if fresh_memory else contextlib.nullcontext(), \
+                reading_engine(path, options) as (engine, direct_fd):
             if fresh_memory:
-                read_extents(engine, direct_fd, fd, path, [(address, 0, size)], checksums=False, prefault=True)
+                read_extents(engine, direct_fd, fd, path, extents, checksums=False)
                 return size  # read_extents raises EOFError on a short read
-            got, _ = engine.read_extents(direct_fd, fd, [(address, 0, size)], path)
+            got, _ = engine.read_extents(direct_fd, fd, extents, path)
     finally:
         os.close(fd)
     return got

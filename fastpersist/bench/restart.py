@@ -279,9 +279,9 @@ def run(args) -> int:
     echo(f"page cache: {dropper.describe()}")
     echo(f"method: {args.repeats} round{'s' if args.repeats > 1 else ''} per model, each running every mechanism "
          "once, in an order shuffled from round to round; medians. Restart: in a fresh process forked from a "
-         "server that has imported only torch and fastpersist (the import is not timed); build (uninitialised, or on the meta device), "
-         "restore, first step (p.add_(0) on every parameter). x vanilla: torch's time / this time, the median "
-         "over rounds of the two times in the same round.")
+         "server that has imported only torch and fastpersist (the import is not timed); build (uninitialised, "
+         "or on the meta device), restore, first step (p.add_(0) on every parameter). x vanilla: torch's "
+         "time / this time, the median over rounds of the two times in the same round.")
     echo()
     body = [(r["model"], f"{r['bytes'] / GB:.2f}", r["files"], r["phase"], r["mechanism"], f"{r['median_s']:.3f}",
              fmt(r["gb_per_s"]), fmt(r["x_vanilla"]), common.phases_text(r["phases_s"])) for r in rows]
