@@ -312,15 +312,20 @@ def test_pread_into_fresh_memory_with_prefault(engine, tmp_path):
     memory.close()
 
 
-def test_prefaulting_brings_memory_in_without_changing_it():
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_prefaulting_brings_memory_in_without_changing_it(threads, monkeypatch):
     """fileio.prefaulting, which loads enter before taking an engine: the
-    helper faults the extents' pages in while the block runs, and leaves
-    what the memory holds as it was."""
+    helpers fault the extents' pages in while the block runs, however many
+    share the pieces, and leave what the memory holds as it was."""
     import ctypes
     import mmap
     import time
 
+    from fastpersist import fileio
     from fastpersist.fileio import _libc, prefaulting
+
+    monkeypatch.setattr(fileio._Prefault, "MAX_THREADS", threads)
+    monkeypatch.setattr(fileio.os, "sched_getaffinity", lambda pid: set(range(8)))
 
     size, page = 24 << 20, mmap.PAGESIZE
     memory = mmap.mmap(-1, size)
@@ -333,7 +338,8 @@ def test_prefaulting_brings_memory_in_without_changing_it():
         return sum(b & 1 for b in resident)
 
     assert pages_in() < size // page // 2
-    with prefaulting([(address + page, 4096, size - 2 * page)]):
+    half = size // 2  # two extents, the second first in the file: pieces counted across both
+    with prefaulting([(address + half, 4096, half - page), (address + page, 4096 + half, half - page)]):
         deadline = time.monotonic() + 10
         while pages_in() < size // page - 1 and time.monotonic() < deadline:
             time.sleep(0.01)
