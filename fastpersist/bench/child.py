@@ -4,6 +4,7 @@ common.FreshProcesses; the result goes back through a pipe as a dict:
 ``{"ok": True, "seconds": ..., "phases": {...}, ...}``."""
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import time
@@ -47,7 +48,7 @@ def _load(spec: dict) -> dict:
     import fastpersist
     from fastpersist.patching import original_load
 
-    from .common import options_for_load, touch_all
+    from .common import PhaseClock, options_for_load, touch_all
 
     path, mechanism = spec["path"], spec["mechanism"]
     options = _options(spec)
@@ -72,35 +73,51 @@ def _load(spec: dict) -> dict:
             memory = mmap.mmap(-1, -(-size // 4096) * 4096)
             torch.frombuffer(memory, dtype=torch.uint8).fill_(1)
             pieces = common.pieces_of(memory, sizes, dtype)
-        start = time.perf_counter()
-        if fresh:
-            memory = mmap.mmap(-1, -(-size // 4096) * 4096)
-            if hasattr(mmap, "MADV_NOHUGEPAGE"):
-                memory.madvise(mmap.MADV_NOHUGEPAGE)
-        address = torch.frombuffer(memory, dtype=torch.uint8).data_ptr()
-        got = common.raw_read(path, address, size, options, fresh_memory=fresh)
-        read = time.perf_counter()
+        with PhaseClock() as clock:
+            clock.hook(_engine, "acquire", "engine start")
+            start = time.perf_counter()
+            if fresh:
+                memory = mmap.mmap(-1, -(-size // 4096) * 4096)
+                if hasattr(mmap, "MADV_NOHUGEPAGE"):
+                    memory.madvise(mmap.MADV_NOHUGEPAGE)
+            address = torch.frombuffer(memory, dtype=torch.uint8).data_ptr()
+            got = common.raw_read(path, address, size, options, fresh_memory=fresh)
+            read = time.perf_counter()
         touch_all(common.pieces_of(memory, sizes, dtype) if fresh else pieces)
         end = time.perf_counter()
         if got != size:
             raise EOFError(f"{path}: read {got} of {size} bytes")
-        phases = {"start + map + read" if fresh else "read": read - start, "touch": end - read}
+        started = clock.seconds.get("engine start", 0.0) if fresh else 0.0
+        phases = {"engine start": started, "map + read": read - start - started} if fresh else {"read": read - start}
+        phases["touch"] = end - read
         return {"seconds": end - start, "phases": phases}
 
-    start = time.perf_counter()
-    if mechanism == "torch.load":
-        obj = original_load()(path, weights_only=True)
-    elif mechanism == "torch.load(mmap=True)":
-        obj = original_load()(path, weights_only=True, mmap=True)
-    elif mechanism == "fastpersist.load":
-        with options_for_load(options):
-            obj = fastpersist.load(path, weights_only=True)
-    else:
-        raise ValueError(f"unknown load mechanism {mechanism!r}")
-    loaded = time.perf_counter()
+    with PhaseClock() as clock:
+        start = time.perf_counter()
+        if mechanism == "torch.load":
+            obj = original_load()(path, weights_only=True)
+        elif mechanism == "torch.load(mmap=True)":
+            obj = original_load()(path, weights_only=True, mmap=True)
+        elif mechanism == "fastpersist.load":
+            from fastpersist import _engine
+
+            clock.hook(_engine, "acquire", "engine start")
+            clock.hook(getattr(importlib.import_module("fastpersist.load"), "_CheckpointImage", None),
+                       "read_all", "read")
+            with options_for_load(options):
+                obj = fastpersist.load(path, weights_only=True)
+        else:
+            raise ValueError(f"unknown load mechanism {mechanism!r}")
+        loaded = time.perf_counter()
     touch_all(obj)
     end = time.perf_counter()
-    return {"seconds": end - start, "phases": {"load": loaded - start, "touch": end - loaded}}
+    phases = {"load": loaded - start}
+    if "read" in clock.seconds:  # the engine starts inside the read
+        phases = {"engine start": clock.seconds.get("engine start", 0.0),
+                  "read": clock.seconds["read"] - clock.seconds.get("engine start", 0.0),
+                  "unpickle etc.": max(0.0, loaded - start - clock.seconds["read"])}
+    phases["touch"] = end - loaded
+    return {"seconds": end - start, "phases": phases}
 
 
 # ---------------------------------------------------------------------------
