@@ -147,7 +147,8 @@ def _plot(path: str, rows: list) -> None:
     ticks = []
     for name in models_:
         r = next(r for r in rows if r["model"] == name)
-        ticks.append(f"{name} ({r['stand_in_for']}, {r['layers']} of {r['full_layers']} layers)\n"
+        # one short line each: the checkpoint panel is a third of the width
+        ticks.append(f"{name}: {r['stand_in_for']}\n{r['layers']} of {r['full_layers']} layers\n"
                      f"{r['bytes'] / GB:.2f} GB, {r['files']} file{'s' if r['files'] > 1 else ''}")
     fig, axes = plt.subplots(1, 2, figsize=(max(12.0, 4.5 * len(models_)), 5.5), width_ratios=[1, 2])
     for ax, phase, title in ((axes[0], "checkpoint", "checkpoint: every file written + fsync"),
