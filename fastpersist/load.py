@@ -3,7 +3,7 @@ behaviour, read through the engine.
 
 ``load`` reads the whole checkpoint through the engine's buffers (a small
 one with no engine idle, through the page cache) into one page-aligned
-mapping (reused from freed results, or fresh with a helper thread faulting
+mapping (reused from freed results, or fresh with helper threads faulting
 its pages in ahead of the copies) and hands it to torch's
 own unpickling (``torch.serialization._load``) as the storage every
 tensor is sliced from, the way ``torch.load(mmap=True)`` slices a file
@@ -192,7 +192,7 @@ class _CheckpointImage:
             if self.size < SMALL_LOAD_BYTES and not _engine.has_idle(self.options):
                 self._read_without_engine(memory)
             else:
-                # fresh memory: faulted in by a helper thread ahead of the copies,
+                # fresh memory: faulted in by helper threads ahead of the copies,
                 # started before the engine, which may still have to be created
                 with prefaulting(extents) if fresh else contextlib.nullcontext(), \
                         reading_engine(self.path, self.options) as (engine, direct_fd):

@@ -324,8 +324,18 @@ def test_prefaulting_brings_memory_in_without_changing_it(threads, monkeypatch):
     from fastpersist import fileio
     from fastpersist.fileio import _libc, prefaulting
 
+    import threading
+
     monkeypatch.setattr(fileio._Prefault, "MAX_THREADS", threads)
-    monkeypatch.setattr(fileio.os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(fileio, "_usable_cpus", lambda: 8)
+    populated = []  # (address, thread) of every madvise
+    real_madvise = _libc().madvise
+
+    def counting_madvise(address, n, advice):
+        populated.append((address, threading.get_ident()))
+        return real_madvise(address, n, advice)
+
+    monkeypatch.setattr(_libc(), "madvise", counting_madvise)
 
     size, page = 24 << 20, mmap.PAGESIZE
     memory = mmap.mmap(-1, size)
@@ -345,6 +355,9 @@ def test_prefaulting_brings_memory_in_without_changing_it(threads, monkeypatch):
             time.sleep(0.01)
     assert pages_in() >= size // page - 1  # all but the last page, outside the extent
     assert memory[:5] == b"keep!" and not any(memory[page:size - page])
+    addresses = [a for a, _ in populated]
+    assert len(addresses) == len(set(addresses)) == 4  # two pieces per extent, each once
+    assert len({t for _, t in populated}) == min(threads, 3)  # ~24 MiB in all: three 8 MiB stretches
     memory.close()
 
 

@@ -54,7 +54,6 @@ def _load(spec: dict) -> dict:
     options = _options(spec)
     _warm_up()
     size = os.path.getsize(path)
-    phases = {}
     if mechanism in ("raw engine read, from scratch", "raw engine read, all set up"):
         from fastpersist import _engine
 
@@ -93,17 +92,18 @@ def _load(spec: dict) -> dict:
         return {"seconds": end - start, "phases": phases}
 
     with PhaseClock() as clock:
+        if mechanism == "fastpersist.load":
+            from fastpersist import _engine
+
+            clock.hook(_engine, "acquire", "engine start")
+            clock.hook(getattr(importlib.import_module("fastpersist.load"), "_CheckpointImage", None),
+                       "read_all", "read")
         start = time.perf_counter()
         if mechanism == "torch.load":
             obj = original_load()(path, weights_only=True)
         elif mechanism == "torch.load(mmap=True)":
             obj = original_load()(path, weights_only=True, mmap=True)
         elif mechanism == "fastpersist.load":
-            from fastpersist import _engine
-
-            clock.hook(_engine, "acquire", "engine start")
-            clock.hook(getattr(importlib.import_module("fastpersist.load"), "_CheckpointImage", None),
-                       "read_all", "read")
             with options_for_load(options):
                 obj = fastpersist.load(path, weights_only=True)
         else:

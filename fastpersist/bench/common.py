@@ -272,9 +272,9 @@ def storage_bytes(obj) -> int:
 
 def touch_all(obj) -> None:
     """Reads every byte of every tensor, so lazy mappings pay for their
-    faults; tensors met twice (a tied head is the embedding) once, as the
-    ceiling touches each byte it read once (GPT-2's tied 256 MB twice cost
-    0.006 s more per 2 GB here)."""
+    faults; the same tensor met twice (a tied head is the embedding) once,
+    as the ceiling touches the bytes it read once (GPT-2's tied 256 MB
+    summed twice cost 0.006 s more per 2 GB here)."""
     seen = set()
     for t in tensors_in(obj):
         key = (t.data_ptr(), t.dtype, t.shape, t.stride())
@@ -664,16 +664,18 @@ class Series:
 
 def ratio(reference: Optional[Series], series: Series) -> Optional[float]:
     """How many times faster series is than reference: the median over rounds
-    of reference's time / series's time in the same round. Both ran in every
-    round, close together, so a slow stretch of a noisy machine slows both
-    and cancels: across four 5-round runs here, same-process loads came to
+    of reference's time / series's time in the same round. Both ran once in
+    every round, so a slow stretch of a noisy machine that slows both
+    cancels: across four 5-round runs here, same-process loads came to
     0.90-0.96x their ceiling this way, 0.86-0.97x as a ratio of the two
-    medians. Where the
-    rounds do not pair up, the ratio of the medians."""
+    medians. Rounds with a zero time are left out; where the rounds do not
+    pair up, the ratio of the medians."""
     if reference is None or not reference.times or not series.times or series.median <= 0:
         return None
-    if len(reference.times) == len(series.times) and all(t > 0 for t in series.times):
-        return statistics.median(r / t for r, t in zip(reference.times, series.times))
+    if len(reference.times) == len(series.times):
+        paired = [r / t for r, t in zip(reference.times, series.times) if t > 0]
+        if paired:
+            return statistics.median(paired)
     return reference.median / series.median
 
 
