@@ -332,7 +332,7 @@ def test_prefaulting_brings_memory_in_without_changing_it(threads, monkeypatch):
     real_madvise = _libc().madvise
 
     def counting_madvise(address, n, advice):
-        populated.append((address, threading.get_ident()))
+        populated.append((address, threading.current_thread()))  # kept: an ident is reused once a thread ends
         return real_madvise(address, n, advice)
 
     monkeypatch.setattr(_libc(), "madvise", counting_madvise)
