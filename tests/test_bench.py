@@ -62,6 +62,7 @@ def test_default_bench(tmp_path):
         assert r["median_s"] > 0 and r["gb_per_s"] > 0 and r["rounds"] == 1
         assert abs(r["gib_per_s"] * 2**30 - r["gb_per_s"] * 1e9) < 1e-6 * r["gb_per_s"] * 1e9
         assert r["bytes"] == doc["model"]["file_bytes"]
+        assert r["x_ceiling_low"] is None  # one round: no interval
     save = next(r for r in results if r["mechanism"] == "fastpersist.save" and r["operation"] == "save, new file")
     assert {"plan", "write", "fsync", "rename"} <= set(save["phases_s"])
     rows = read_csv(tmp_path / "r.csv")
@@ -245,3 +246,20 @@ def test_touch_all_reads_a_tied_tensor_once(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "sum", lambda self, *a, **k: summed.append(self.numel()) or real_sum(self))
     common.touch_all({"embed": weight, "head": weight, "half": weight[:4], "list": [weight.view(2, 4)]})
     assert summed == [8, 4, 8]  # the head is the embedding; a part or a reshaped view is not
+
+
+def test_ratio_interval_from_order_statistics():
+    ceiling = common.Series("load", "ceiling", times=[1.0] * 15)
+    mine = common.Series("load", "mine", times=[1.0 + i / 10 for i in range(15)])  # ratios 1/1.0 ... 1/2.4
+    ratios = sorted(1 / (1.0 + i / 10) for i in range(15))
+    low, high, coverage = common.ratio_interval(ceiling, mine)
+    # 4th smallest to 4th largest of 15: 1 - 2 P(Bin(15, 1/2) <= 3) = 0.965; the 5th would give 0.882 < 0.9
+    assert (low, high) == (ratios[3], ratios[11]) and abs(coverage - 0.96484375) < 1e-12
+    assert low <= common.ratio(ceiling, mine) <= high
+    seven = common.ratio_interval(common.Series("l", "c", times=[1.0] * 7),
+                                  common.Series("l", "m", times=[1.0 + i / 10 for i in range(7)]))
+    assert seven[0] == 1 / 1.6 and seven[1] == 1.0 and abs(seven[2] - 0.984375) < 1e-12  # all 7: the widest
+    few = common.ratio_interval(common.Series("l", "c", times=[1.0, 1.0, 1.0]),
+                                common.Series("l", "m", times=[1.0, 2.0, 4.0]))
+    assert few == (0.25, 1.0, 0.75)  # 3 rounds cannot reach 90%: the coverage says so
+    assert common.ratio_interval(ceiling, common.Series("load", "one", times=[1.0])) is None

@@ -14,6 +14,7 @@ import csv
 import ctypes
 import dataclasses
 import json
+import math
 import mmap
 import multiprocessing
 import os
@@ -672,11 +673,39 @@ def ratio(reference: Optional[Series], series: Series) -> Optional[float]:
     pair up, the ratio of the medians."""
     if reference is None or not reference.times or not series.times or series.median <= 0:
         return None
-    if len(reference.times) == len(series.times):
-        paired = [r / t for r, t in zip(reference.times, series.times) if t > 0]
-        if paired:
-            return statistics.median(paired)
+    paired = _paired(reference, series)
+    if paired:
+        return statistics.median(paired)
     return reference.median / series.median
+
+
+def _paired(reference: Optional[Series], series: Series) -> list:
+    if reference is None or len(reference.times) != len(series.times):
+        return []
+    return [r / t for r, t in zip(reference.times, series.times) if t > 0]
+
+
+def ratio_interval(reference: Optional[Series], series: Series, confidence: float = 0.9) -> Optional[tuple]:
+    """(low, high, coverage): where the median of the per-round ratios that
+    ratio() reports lies, with at least `confidence` (coverage is the exact
+    figure). Distribution-free, from order statistics: the true median lies
+    between the j-th smallest and j-th largest of n values with probability
+    1 - 2 P(Binomial(n, 1/2) < j); j is the largest that reaches the
+    confidence, else 1 (then coverage says how short it falls). A target
+    inside the interval is one this run cannot tell apart. None below 2
+    paired rounds."""
+    values = sorted(_paired(reference, series))
+    n = len(values)
+    if n < 2:
+        return None
+
+    def coverage(j: int) -> float:
+        return 1 - 2 * sum(math.comb(n, k) for k in range(j)) / 2 ** n
+
+    j = 1
+    while j + 1 <= (n + 1) // 2 and coverage(j + 1) >= confidence:
+        j += 1
+    return values[j - 1], values[n - j], coverage(j)
 
 
 def phases_text(phases: dict) -> str:

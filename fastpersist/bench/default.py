@@ -396,8 +396,11 @@ def result_rows(series: list, engines: list) -> list:
     rows = []
     for s in series:
         engine = s.engine if s.engine != "-" else engines[0]
-        rows.append(common.series_row(s, common.ratio(vanilla.get(s.operation), s),
-                                      common.ratio(ceiling.get((s.operation, engine)), s)))
+        reference = ceiling.get((s.operation, engine))
+        row = common.series_row(s, common.ratio(vanilla.get(s.operation), s), common.ratio(reference, s))
+        interval = common.ratio_interval(reference, s) if reference is not s else None
+        row["x_ceiling_low"], row["x_ceiling_high"], row["x_ceiling_coverage"] = interval or (None, None, None)
+        rows.append(row)
     return rows
 
 
@@ -416,10 +419,16 @@ def _spread(row: dict) -> str:
 
 
 def headline_lines(rows: list) -> list:
+    """One line per fastpersist row: its ratios, and how sure this run is of
+    the one to the ceiling (a figure inside the interval, a target say, is
+    one this run cannot tell apart from the result)."""
     lines = []
     for r in rows:
         if r["role_fastpersist"] and r["x_vanilla"] is not None:
             ceiling = f", {r['x_ceiling']:.2f}x the raw engine's speed" if r["x_ceiling"] is not None else ""
+            if ceiling and r.get("x_ceiling_low") is not None:
+                ceiling += (f" ({r['x_ceiling_low']:.2f}-{r['x_ceiling_high']:.2f} with "
+                            f"{r['x_ceiling_coverage'] * 100:.0f}% confidence)")
             lines.append(f"  {r['operation']}: {r['mechanism']} [{r['engine']}] {r['x_vanilla']:.2f}x as fast "
                          f"as {'torch.save + fsync' if r['operation'].startswith('save') else 'torch.load'}"
                          f"{ceiling}")
@@ -427,7 +436,8 @@ def headline_lines(rows: list) -> list:
 
 
 CSV_COLUMNS = ["operation", "mechanism", "engine", "bytes", "rounds", "median_s", "min_s", "max_s", "gb_per_s",
-               "gib_per_s", "x_vanilla", "x_ceiling", "phases_s", "times_s"]
+               "gib_per_s", "x_vanilla", "x_ceiling", "x_ceiling_low", "x_ceiling_high", "x_ceiling_coverage",
+               "phases_s", "times_s"]
 
 
 def run(args) -> int:
@@ -466,7 +476,9 @@ def run(args) -> int:
               "time / this time (1.00 = as fast as the engine with no format; in a fresh process it starts its "
               "engine and reads into memory mapped there, in the same process its engine and memory are ready; a "
               "save over an existing file compares with the raw write to a new one); both ratios are medians over "
-              "rounds of the two times in the same round. GB = 1e9 bytes, GiB = 2^30.")
+              "rounds of the two times in the same round; the interval after a ratio to the ceiling holds the "
+              "median of those per-round ratios with the confidence given (order statistics, no assumption "
+              "about their distribution). GB = 1e9 bytes, GiB = 2^30.")
     echo(f"fastpersist bench: save and load a {bench.file_size / GB:.2f} GB checkpoint: "
          f"{bench.base_name} layout, {common.plural(config.layers, 'layer')}"
          + (f" (it has {bench.base_layers})" if config.layers != bench.base_layers else "")
