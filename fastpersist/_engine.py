@@ -257,10 +257,15 @@ def _check_out(key: tuple, engine: Engine) -> Engine:
     return engine
 
 
+def _known_kind(options: Options) -> Optional[str]:
+    """The engine kind options ask for; None while "auto" has not been resolved yet."""
+    return options.engine if options.engine != "auto" else _auto_kind
+
+
 def acquire(options: Options) -> Engine:
     """An idle engine for these options, from the pool or new; waits while
     max_engines of them are in use by other threads."""
-    kind = options.engine if options.engine != "auto" else _auto_kind
+    kind = _known_kind(options)
     if kind is None:  # first auto use: one thread finds the engine the kernel allows
         with _auto_lock:
             if _auto_kind is None:
@@ -310,7 +315,7 @@ def release(engine: Engine) -> None:
 def has_idle(options: Options) -> bool:
     """Whether acquire(options) would hand out an engine that exists (no
     buffers to lock and register first)."""
-    kind = options.engine if options.engine != "auto" else _auto_kind
+    kind = _known_kind(options)
     if kind is None:
         return False
     with _pool_lock:
