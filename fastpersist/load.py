@@ -22,7 +22,10 @@ import contextlib
 import mmap as _mmap
 import os
 import pickle
+import queue
 import sys
+import threading
+import time
 import warnings
 from collections.abc import Mapping
 from typing import Any, NamedTuple, Optional
@@ -250,14 +253,16 @@ class _CheckpointImage:
 
     def as_storage(self):
         """The file's bytes as one storage. When the last tensor sliced from
-        it dies, the memory goes back to _freed_images for the next load."""
+        it dies, the memory goes to _freed_images, kept briefly for the next load."""
         import ctypes
         import weakref
 
         import torch
 
         owner = (ctypes.c_ubyte * len(self.memory)).from_buffer(self.memory)
-        weakref.finalize(owner, _freed_images.give_back, self.memory)
+        # Not at exit: then owner may still be alive, its tensors in use by
+        # exit handlers, and a load there must not be handed their memory.
+        weakref.finalize(owner, _result_died, self.memory).atexit = False
         return torch.frombuffer(owner, dtype=torch.uint8, count=self.size).untyped_storage()
 
     def verify(self) -> None:
@@ -291,43 +296,142 @@ class _CheckpointImage:
 
 
 class _FreedImages:
-    """The memory of loads whose tensors have all died, kept for the next
-    loads: a process that loads checkpoint after checkpoint (an evaluation
-    sweep) reads into memory already faulted in, as glibc hands torch.load
-    memory that freed results touched, instead of paying ~0.5 s per GB to
-    fault in fresh pages every time. Bounded: at most KEEP mappings and
-    MAX_FRACTION of the machine's memory; a load takes one at most twice
-    its size."""
+    """The memory of loads whose tensors have all died, kept a short while
+    for the next load: a process that loads shard after shard (each freed
+    once copied into the model) reads into memory already faulted in instead
+    of faulting in fresh pages every time.
+
+    What it holds is bounded: at most KEEP mappings, each for at most
+    ``load_memory_seconds`` (an option; 0 keeps nothing) after its result
+    died, and none while the system's available memory is below
+    MIN_AVAILABLE_FRACTION of the total or would be less than what is kept.
+    A forked child starts empty, and the parent gives its kept memory back
+    before forking (a data loader's workers would carry it otherwise).
+    ``release_load_memory()`` gives it back at once.
+
+    A result's finalizer runs wherever a garbage collection happens to
+    free it, including inside this pool's own locked code on the same
+    thread; so it never takes a lock (an Event's included): it hands the
+    memory over through a SimpleQueue, whose put is safe in such callbacks,
+    and the pool's keeper thread, or the next take(), files it under the
+    lock."""
 
     KEEP = 2
-    MAX_FRACTION = 4  # 1/4 of physical memory
+    MIN_AVAILABLE_FRACTION = 8  # keep nothing while less than 1/8 of memory is available
 
     def __init__(self):
-        import threading
-
         self.lock = threading.Lock()
-        self.free: list = []  # most recently freed last
+        self.free: list = []  # [(mapping, monotonic time it was freed)], most recently freed last
+        self.returned: queue.SimpleQueue = queue.SimpleQueue()  # mappings of dead results, not yet filed
+        self.keeper: Optional[threading.Thread] = None
+
+    def result_died(self, memory: _mmap.mmap) -> None:
+        """A result's finalizer: a SimpleQueue put, nothing else."""
+        self.returned.put(memory)
 
     def take(self, length: int) -> Optional[_mmap.mmap]:
+        self._start_keeper()
         with self.lock:
-            fitting = [m for m in self.free if length <= len(m) <= 2 * length]
+            self._file_returned()
+            fitting = [entry for entry in self.free if length <= len(entry[0]) <= 2 * length]
             if not fitting:
                 return None
-            memory = min(fitting, key=len)
-            self.free.remove(memory)
-            return memory
+            entry = min(fitting, key=lambda e: len(e[0]))
+            self.free.remove(entry)
+            return entry[0]
 
     def give_back(self, memory: _mmap.mmap) -> None:
-        limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // self.MAX_FRACTION
-        with self.lock:
-            self.free.append(memory)
-            while len(self.free) > self.KEEP or sum(len(m) for m in self.free) > limit:
-                _unmap(self.free.pop(0))
+        """Memory that no result ever used (a load that failed)."""
+        self.result_died(memory)
 
     def clear(self) -> None:
         with self.lock:
-            while self.free:
-                _unmap(self.free.pop())
+            self._file_returned()
+            _unmap_all(self.free)
+
+    def kept(self) -> list:
+        """The mappings kept now, most recently freed last."""
+        with self.lock:
+            self._file_returned()
+            return [memory for memory, _ in self.free]
+
+    def _file_returned(self, memory: Optional[_mmap.mmap] = None) -> Optional[float]:
+        """Under the lock: files returned mappings, unmaps those past their
+        time or beyond the bounds; returns when the next one is due."""
+        now = time.monotonic()
+        if memory is not None:
+            self.free.append((memory, now))
+        while True:
+            try:
+                self.free.append((self.returned.get_nowait(), now))
+            except queue.Empty:
+                break
+        if not self.free:
+            return None
+        try:
+            keep_for = current_options().load_memory_seconds
+        except ValueError:  # a bad FASTPERSIST_ variable: the load itself says so
+            keep_for = 0.0
+        room = _available_memory()
+        kept: list = []
+        for entry in reversed(self.free):  # the most recently freed first
+            memory, freed_at = entry
+            if len(kept) < self.KEEP and now - freed_at < keep_for and len(memory) <= room:
+                kept.append(entry)
+                room -= len(memory)
+            else:
+                _unmap(memory)
+        kept.reverse()
+        self.free = kept
+        return min((freed_at + keep_for for _, freed_at in kept), default=None)
+
+    def _start_keeper(self) -> None:
+        if self.keeper is None:
+            with self.lock:
+                if self.keeper is None:
+                    self.keeper = threading.Thread(target=self._keep, name="fastpersist-load-memory", daemon=True)
+                    self.keeper.start()
+
+    def _keep(self) -> None:
+        """The keeper thread: files what results return and unmaps each
+        mapping when its time is up."""
+        due = None
+        while True:
+            try:
+                memory = self.returned.get(timeout=None if due is None else max(0.0, due - time.monotonic()))
+            except queue.Empty:
+                memory = None
+            with self.lock:
+                due = self._file_returned(memory)
+
+    def before_fork(self) -> None:
+        """Gives kept memory back in the parent; skipped if another thread
+        holds the pool this instant (the child starts empty either way)."""
+        if self.lock.acquire(blocking=False):
+            try:
+                self._file_returned()
+                _unmap_all(self.free)
+            finally:
+                self.lock.release()
+
+
+def _unmap_all(entries: list) -> None:
+    while entries:
+        _unmap(entries.pop()[0])
+
+
+def _available_memory() -> int:
+    """Bytes the pool may keep now: what the kernel reports available, less
+    MIN_AVAILABLE_FRACTION of the total (kept memory counts as used)."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            fields = dict(line.split(b":", 1) for line in f.read().splitlines() if b":" in line)
+        available = int(fields[b"MemAvailable"].split()[0]) << 10
+        total = int(fields[b"MemTotal"].split()[0]) << 10
+    except (OSError, KeyError, ValueError):
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        available = total // 2
+    return max(0, available - total // _FreedImages.MIN_AVAILABLE_FRACTION)
 
 
 def _unmap(memory: _mmap.mmap) -> None:
@@ -342,9 +446,20 @@ def _unmap(memory: _mmap.mmap) -> None:
 _freed_images = _FreedImages()
 
 
+def _result_died(memory: _mmap.mmap) -> None:
+    """A load result's finalizer. Looks the pool up when called: in a forked
+    child that is the child's, which owns its copy of the memory."""
+    _freed_images.result_died(memory)
+
+
 def release_load_memory() -> None:
-    """Returns the memory fastpersist.load keeps from freed results to the system."""
+    """Gives the memory fastpersist.load keeps from freed results (for the
+    next load, at most ``load_memory_seconds``) back to the system now."""
     _freed_images.clear()
+
+
+def _give_back_before_fork() -> None:
+    _freed_images.before_fork()
 
 
 def _forget_freed_images_in_child() -> None:
@@ -352,7 +467,7 @@ def _forget_freed_images_in_child() -> None:
     _freed_images = _FreedImages()  # the parent's pages would be copied on write here
 
 
-os.register_at_fork(after_in_child=_forget_freed_images_in_child)
+os.register_at_fork(before=_give_back_before_fork, after_in_child=_forget_freed_images_in_child)
 
 
 def _close_quietly(fd: int) -> None:

@@ -34,6 +34,10 @@ class Options:
         half of the machine's memory. A save_async that needs more than is
         free waits for earlier saves to finish; one that needs more than the
         whole bound is refused.
+    load_memory_seconds: how long the memory of a fastpersist.load result
+        whose tensors have all died is kept for the next load to reuse
+        (at most two such mappings, none under memory pressure); 0 gives
+        it back to the system at once.
     """
 
     engine: str = "auto"
@@ -47,6 +51,7 @@ class Options:
     lock_memory: bool = True
     max_engines: int = 4
     snapshot_memory: int = 0
+    load_memory_seconds: float = 2.0
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -61,6 +66,9 @@ class Options:
         if not isinstance(self.snapshot_memory, int) or self.snapshot_memory < 0:
             raise ValueError(f"fastpersist option snapshot_memory={self.snapshot_memory!r}: expected bytes >= 0 "
                              "(0: half of the machine's memory)")
+        if not isinstance(self.load_memory_seconds, (int, float)) or not 0 <= self.load_memory_seconds < 1e9:
+            raise ValueError(f"fastpersist option load_memory_seconds={self.load_memory_seconds!r}: expected "
+                             "seconds >= 0 (0: freed load memory is given back at once)")
         if not isinstance(self.max_engines, int) or self.max_engines < 1:
             raise ValueError(f"fastpersist option max_engines={self.max_engines!r}: expected an integer >= 1")
         if not isinstance(self.queue_depth, int) or not 1 <= self.queue_depth <= 4096:
@@ -92,6 +100,11 @@ def _coerce(name: str, value):
             return _BOOLS[value.strip().lower()]
         except KeyError:
             raise ValueError(f"fastpersist option {name}={value!r}: expected 1/0, true/false, yes/no or on/off") from None
+    if kind == "float":
+        try:
+            return float(value)
+        except ValueError:
+            raise ValueError(f"fastpersist option {name}={value!r}: expected a number") from None
     match = _SIZE.match(value)
     if not match:
         raise ValueError(f"fastpersist option {name}={value!r}: expected an integer, optionally with K, M or G")
