@@ -309,16 +309,19 @@ def test_a_destination_that_became_a_symlink_is_linked_not_followed(folder):
     assert not os.path.lexists(name) and victim.read_bytes() == b"precious"
 
 
-def test_release_later_takes_relative_paths_and_logs_failures(folder, monkeypatch, log_records):
+def test_release_later_takes_relative_paths_and_logs_failures(folder, monkeypatch, held, log_records):
+    gate, calls = held  # no unlink before the chdir below: a relative path would then miss its file
     data = folder / "shard.distcp"
     data.write_bytes(b"x" * 1000)
     (folder / "a folder").mkdir()
     monkeypatch.chdir(folder)
     release.release_later("shard.distcp")
     release.release_later("a folder")  # unlink fails: logged, never raised
-    assert str(data) in release.pending() or not data.exists()  # absolute paths
-    monkeypatch.chdir("/")  # the paths were made absolute when handed over
+    assert {str(data), str(folder / "a folder")} <= release.pending()  # made absolute when handed over
+    monkeypatch.chdir("/")
+    gate.set()
     assert fastpersist.wait_for_releases(timeout=60)
+    assert calls == [str(data), str(folder / "a folder")]
     assert not data.exists() and (folder / "a folder").is_dir()
     assert any("a folder" in r.getMessage() and r.levelname == "WARNING" for r in log_records.records)
     fastpersist.save(OLD, folder / "ckpt.pt")  # a later save is unaffected
