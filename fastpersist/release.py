@@ -94,9 +94,9 @@ class _Releaser:
                     self.pending.discard(path)
                     self.lock.notify_all()
 
-    def wait(self, timeout: Optional[float]) -> bool:
+    def wait(self, timeout: Optional[float], queued_only: bool = False) -> bool:
         with self.lock:
-            return self.lock.wait_for(lambda: not self.pending, timeout)
+            return self.lock.wait_for(lambda: not (self.queued if queued_only else self.pending), timeout)
 
 
 _releaser = _Releaser()
@@ -110,21 +110,39 @@ def _token() -> str:
     return os.urandom(8).hex()  # unpredictable, like the temporaries' names; its own function for tests
 
 
-def link_to_trash(path: str, name: Optional[str] = None) -> Optional[str]:
+def hidden_name(folder: str, name: str, token: str, kind: str) -> str:
+    """``.<name>.fastpersist-<token>.<kind>``, the name's part shortened
+    (by bytes) where the whole would pass the folder's longest file name: a
+    checkpoint whose own name is 226-255 bytes long still gets its
+    temporary and trash names."""
+    suffix = os.fsencode(f".fastpersist-{token}.{kind}")
+    try:
+        longest = os.pathconf(folder or ".", "PC_NAME_MAX")
+    except (OSError, ValueError):
+        longest = 255
+    room = max(1, longest - 1 - len(suffix))
+    return os.fsdecode(b"." + os.fsencode(name)[:room] + suffix)
+
+
+def link_to_trash(path: str, name: Optional[str] = None, claimed: Optional[list] = None) -> Optional[str]:
     """Gives the file at path a second, fresh trash name beside it and
     returns that name, claimed by this process (hand it to release_later);
     None where no link can be made: nothing at path, or a filesystem without
     hard links. The name is the link itself (linkat without
     AT_SYMLINK_FOLLOW): never a symlink's target, never through a symlink
     planted at the trash name (link refuses an existing name). name: the
-    destination's name, for the trash name (default: path's)."""
+    destination's name, for the trash name (default: path's). claimed: a
+    list the name is appended to the moment it exists, so that a caller
+    interrupted (KeyboardInterrupt) before this returns still knows it."""
     path = os.path.abspath(path)
     folder, base = os.path.split(path)
     for _ in range(16):
-        trash = os.path.join(folder, f".{name or base}.fastpersist-{_token()}.old")
+        trash = os.path.join(folder, hidden_name(folder, name or base, _token(), "old"))
         _releaser.claim(trash)  # before it exists: this process's clean-up leaves it alone
         try:
             os.link(path, trash, follow_symlinks=False)
+            if claimed is not None:
+                claimed.append(trash)
             return trash
         except FileExistsError:
             _releaser.drop(trash)
@@ -137,6 +155,8 @@ def link_to_trash(path: str, name: Optional[str] = None) -> Optional[str]:
                           path, exc)
             return None
         except BaseException:
+            # interrupted after the link was made, before it was handed back: a name
+            # nobody claims, collected by the next save in the folder like any stale one
             _releaser.drop(trash)
             raise
     return None
@@ -148,12 +168,13 @@ def replacing(new_path: str, target: str):
     the background releaser on exit, whatever happens in the block. Fsync
     the folder inside the block: an unlink in flight would hold that fsync
     up. Raises what os.replace raises; target then still names its file."""
-    trash = link_to_trash(target)
+    claimed: list = []  # the trash name, from the moment it exists, whatever interrupts us
     try:
+        link_to_trash(target, claimed=claimed)
         os.replace(new_path, target)  # without a trash name (no old file, no hard links): the plain way
         yield
     finally:
-        if trash:
+        for trash in claimed:
             # After a failed replace the trash is a second name of the file still at target: cheap to drop.
             release_later(trash)
 
@@ -196,7 +217,10 @@ def wait_for_releases(timeout: Optional[float] = None) -> bool:
 
 
 def _at_exit() -> None:
-    _releaser.wait(None)
+    # What was handed over; not bare claims: a claim whose holder will never
+    # hand it over (a thread interrupted, or stopped with the interpreter)
+    # must not make exit wait forever.
+    _releaser.wait(None, queued_only=True)
 
 
 def _forget_in_child() -> None:

@@ -106,18 +106,19 @@ def write_plan_to_path(plan: torch_format.CheckpointPlan, path: str, opts: Optio
 def write_to_path(path: str, opts: Options, fill, target: Optional[str] = None) -> int:
     """Writes the file at path with fill(writer), which returns the bytes it
     wrote: into a locked temporary that is renamed over path (opts.atomic),
-    fsynced with its folder (opts.fsync)."""
+    fsynced with its folder (opts.fsync). Where no such temporary can stand
+    in for the file (a folder this process may not write in, an owner it
+    may not give the temporary), it writes in place, as torch.save does."""
     target = target or os.path.realpath(path)  # torch.save writes through symlinks
     folder = os.path.dirname(target)
     remove_stale_temporaries(folder)
     temporary = None
     try:
         if opts.atomic:
-            temporary = _Temporary.create(folder, os.path.basename(target), opts)
-            writer = temporary.writer
-        else:
-            # truncates in place: freeing the old blocks stays on this save's path
-            writer = FastFileWriter(target, truncate=True, sole_writer=True, options=opts)
+            temporary = _temporary_standing_in_for(target, opts)
+        # in place: truncates; freeing the old blocks stays on this save's path
+        writer = temporary.writer if temporary else \
+            FastFileWriter(target, truncate=True, sole_writer=True, options=opts)
     except OSError as exc:
         raise OSError(exc.errno, f"{exc.strerror} (fastpersist: creating a file in {folder})", path) from exc
     write_path = temporary.path if temporary else target
@@ -125,7 +126,6 @@ def write_to_path(path: str, opts: Options, fill, target: Optional[str] = None) 
         size = fill(writer)
         writer.close()  # waits for every write; fsyncs the file with opts.fsync
         if temporary:
-            _keep_mode_of(target, temporary.path)
             # The replaced file's space is freed in the background, after the
             # block: with online discard a plain rename over it costs ~1 s per GB.
             with release.replacing(temporary.path, target):
@@ -144,6 +144,44 @@ def write_to_path(path: str, opts: Options, fill, target: Optional[str] = None) 
         if temporary:
             temporary.unlock()
     return size
+
+
+def _temporary_standing_in_for(target: str, opts: Options) -> Optional["_Temporary"]:
+    """A locked temporary beside target, with target's owner, group and mode
+    (torch.save truncates the file, keeping all three); None where this
+    process cannot make one (said once per folder in the log): the save
+    then writes in place, as torch.save would."""
+    folder, name = os.path.split(target)
+    try:
+        temporary = _Temporary.create(folder, name, opts)
+    except PermissionError as exc:  # EACCES, EPERM: a folder we may not write in; the file may still be writable
+        _say_in_place(folder, f"no file can be created in the folder ({exc.strerror})")
+        return None
+    try:
+        kept = _take_owner_and_mode(target, temporary.lock_fd)
+    except BaseException:
+        temporary.writer.abort()
+        temporary.discard()
+        temporary.unlock()
+        raise
+    if kept:
+        return temporary
+    temporary.writer.abort()
+    temporary.discard()
+    temporary.unlock()
+    _say_in_place(folder, "this process may not give a new file the owner and group of the one it replaces")
+    return None
+
+
+_said_in_place: set = set()
+
+
+def _say_in_place(folder: str, why: str) -> None:
+    level = logging.DEBUG if (folder, why) in _said_in_place else logging.WARNING
+    _said_in_place.add((folder, why))
+    log.log(level, "fastpersist: saves in %s write the checkpoint in place, not through a temporary file "
+            "renamed over it, because %s: a save that fails midway leaves a torn file there, as torch.save "
+            "would", folder or ".", why)
 
 
 # ---------------------------------------------------------------------------
@@ -166,6 +204,27 @@ TEMPORARY_NAME = re.compile(r"^\..+\.fastpersist-[0-9a-f]{8,}\.tmp$")
 _writing: set = set()  # this process's temporaries: NFS locks do not exclude the process itself
 
 
+class LockHeld(OSError):
+    """Another open file (another save, or its clean-up) holds the lock."""
+
+
+# flock; on NFS Linux turns it into a POSIX lock, whose exclusive kind
+# needs a descriptor open for writing (EBADF otherwise). Tests swap in
+# fcntl.lockf, POSIX locks on a local filesystem, to hold the code to that.
+_lock = fcntl.flock
+
+
+def lock_exclusive(fd: int) -> None:
+    """Locks fd (open for writing) exclusively without waiting; LockHeld if
+    another holder has it."""
+    try:
+        _lock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):  # POSIX locks say EACCES on some systems
+            raise LockHeld(exc.errno, "locked by another writer") from None
+        raise
+
+
 class _Temporary:
     def __init__(self, path: str, lock_fd: int, writer: FastFileWriter):
         self.path, self.lock_fd, self.writer = path, lock_fd, writer
@@ -176,7 +235,7 @@ class _Temporary:
         """A new, locked temporary beside the destination and a writer of it
         from offset 0 (the file's only writer unless sole_writer=False)."""
         for _ in range(16):
-            path = os.path.join(folder, f".{name}.fastpersist-{secrets.token_hex(8)}.tmp")
+            path = os.path.join(folder, release.hidden_name(folder, name, secrets.token_hex(8), "tmp"))
             _writing.add(path)
             try:
                 # O_EXCL: never an existing file, never through a symlink planted at the name
@@ -194,13 +253,13 @@ class _Temporary:
                 raise
             lock_fd = -1
             try:
-                lock_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                lock_fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+                lock_exclusive(lock_fd)
                 # Another save's clean-up may have locked and removed the file
                 # between its creation and our lock: then the name is not ours.
                 if same_file(os.stat(path, follow_symlinks=False), os.fstat(writer.fd)):
                     return cls(path, lock_fd, writer)
-            except (BlockingIOError, FileNotFoundError):
+            except (LockHeld, FileNotFoundError):
                 pass  # a clean-up holds it or removed it; it removes the file too
             except BaseException:
                 writer.abort()
@@ -246,17 +305,18 @@ def remove_stale_temporaries(folder: str) -> list:
         if path in _writing:
             continue
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+            # for writing: on NFS an exclusive lock needs it (see lock_exclusive)
+            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
-            continue  # gone already, or a symlink: not ours to follow
+            continue  # gone already, a symlink (not ours to follow), or not ours to write
         trash = None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 continue
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+                lock_exclusive(fd)
+            except LockHeld:
                 continue  # its writer is alive
             if not same_file(os.stat(path, follow_symlinks=False), st):
                 continue  # renamed into place or replaced meanwhile
@@ -299,13 +359,37 @@ def _close(fd: int) -> None:
         os.close(fd)
 
 
-def _keep_mode_of(target: str, new_file: str) -> None:
-    """torch.save truncates an existing file and so keeps its permissions; do the same."""
+def _take_owner_and_mode(target: str, fd: int) -> bool:
+    """Gives the file open at fd target's owner, group and mode (torch.save
+    truncates an existing file and so keeps them); a new file keeps what it
+    was created with (0666 less the umask, this process's owner). False
+    where this process may not give it target's owner and group."""
     try:
-        mode = stat.S_IMODE(os.stat(target).st_mode)
+        st = os.stat(target)
     except FileNotFoundError:
-        return
-    os.chmod(new_file, mode)
+        return True
+    mine = os.fstat(fd)
+    if (mine.st_uid, mine.st_gid) != (st.st_uid, st.st_gid):
+        try:
+            os.fchown(fd, st.st_uid, st.st_gid)  # before the mode: chown clears setuid and setgid bits
+        except PermissionError:
+            return False
+    os.fchmod(fd, stat.S_IMODE(st.st_mode))
+    return True
+
+
+def _keep_mode_of(target: str, new_file: str) -> None:
+    """For a file written under another name (a partitioned save's
+    temporary): target's owner, group and mode, or a warning where the
+    owner and group cannot be kept."""
+    fd = os.open(new_file, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        if not _take_owner_and_mode(target, fd):
+            log.warning("fastpersist: %s replaces a file owned by uid %d, gid %d; this process may not give the new "
+                        "file that owner and group", target, os.stat(target).st_uid, os.stat(target).st_gid)
+            os.fchmod(fd, stat.S_IMODE(os.stat(target).st_mode))
+    finally:
+        os.close(fd)
 
 
 def _fsync_folder(folder: str) -> None:

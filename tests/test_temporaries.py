@@ -58,15 +58,15 @@ def test_a_locked_temporary_is_left_alone(folder):
 def test_a_temporary_is_locked_while_its_save_runs(folder, monkeypatch):
     """Seen from outside during the save: the temporary exists and its lock is held."""
     seen = []
-    real = save_module._keep_mode_of
+    real = save_module.release.replacing
 
-    def look(target, temporary):
+    def look(temporary, target):  # written, about to be renamed over the destination
         assert is_locked(temporary)
         assert save_module.remove_stale_temporaries(str(folder)) == []
         seen.append(temporary)
-        return real(target, temporary)
+        return real(temporary, target)
 
-    monkeypatch.setattr(save_module, "_keep_mode_of", look)
+    monkeypatch.setattr(save_module.release, "replacing", look)
     fastpersist.save(OBJ, folder / "ckpt.pt")
     assert len(seen) == 1 and not os.path.exists(seen[0])
     assert torch.equal(vanilla_load(folder / "ckpt.pt")["t"], OBJ["t"])
@@ -118,9 +118,9 @@ def test_a_temporary_removed_by_another_saves_clean_up_before_it_is_locked_is_gi
 
 def test_temporary_names_are_unpredictable(folder, monkeypatch):
     names = []
-    real = save_module._keep_mode_of
-    monkeypatch.setattr(save_module, "_keep_mode_of", lambda t, tmp: (names.append(os.path.basename(tmp)),
-                                                                       real(t, tmp)))
+    real = save_module.release.replacing
+    monkeypatch.setattr(save_module.release, "replacing", lambda tmp, t: (names.append(os.path.basename(tmp)),
+                                                                          real(tmp, t))[1])
     for _ in range(3):
         fastpersist.save(OBJ, folder / "ckpt.pt")
     assert len(set(names)) == 3
