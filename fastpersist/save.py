@@ -208,17 +208,12 @@ class LockHeld(OSError):
     """Another open file (another save, or its clean-up) holds the lock."""
 
 
-# flock; on NFS Linux turns it into a POSIX lock, whose exclusive kind
-# needs a descriptor open for writing (EBADF otherwise). Tests swap in
-# fcntl.lockf, POSIX locks on a local filesystem, to hold the code to that.
-_lock = fcntl.flock
-
-
 def lock_exclusive(fd: int) -> None:
-    """Locks fd (open for writing) exclusively without waiting; LockHeld if
-    another holder has it."""
+    """Locks fd exclusively without waiting; LockHeld if another holder has
+    it. fd must be open for writing: on NFS Linux turns flock into a POSIX
+    lock, whose exclusive kind needs that (EBADF otherwise)."""
     try:
-        _lock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
         if exc.errno in (errno.EAGAIN, errno.EACCES):  # POSIX locks say EACCES on some systems
             raise LockHeld(exc.errno, "locked by another writer") from None
