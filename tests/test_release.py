@@ -326,3 +326,37 @@ def test_release_later_takes_relative_paths_and_logs_failures(folder, monkeypatc
     assert any("a folder" in r.getMessage() and r.levelname == "WARNING" for r in log_records.records)
     fastpersist.save(OLD, folder / "ckpt.pt")  # a later save is unaffected
     assert vanilla_load(folder / "ckpt.pt")["which"] == "old"
+
+
+def test_an_interrupt_right_after_the_trash_link_still_releases_it(folder, monkeypatch):
+    """KeyboardInterrupt as link_to_trash returns (a signal handled at that
+    call): the trash name it made is still handed to the releaser, so it is
+    freed and neither wait_for_releases nor interpreter exit waits forever."""
+    dest = folder / "ckpt.pt"
+    fastpersist.save(OLD, dest)
+    real = release.link_to_trash
+
+    def interrupted(*args, **kwargs):
+        real(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(release, "link_to_trash", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        fastpersist.save(NEW, dest)
+    monkeypatch.undo()
+    assert fastpersist.wait_for_releases(timeout=30), "a claimed trash name was never handed over"
+    assert vanilla_load(dest)["which"] == "old"
+    assert leftovers(folder) == []
+
+
+def test_exit_does_not_wait_for_a_claim_that_is_never_handed_over(folder):
+    """A name claimed by a thread that never hands it over (interrupted, or
+    a daemon thread stopped with the interpreter) must not hold exit up."""
+    script = ("import fastpersist\n"
+              "from fastpersist import release\n"
+              f"release._releaser.claim({str(folder / '.x.fastpersist-0123456789abcdef.old')!r})\n"
+              "release.release_later(__file__ if '__file__' in globals() else '/nonexistent/x')\n"
+              "print('exiting')\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "FASTPERSIST_AUTOPATCH": "0"})
+    assert out.returncode == 0 and out.stdout.strip() == "exiting", out.stderr
