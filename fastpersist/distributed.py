@@ -8,15 +8,23 @@ torch.distributed's ``all_gather_object``, so any backend works):
 1. plan: each rank pickles the object and plans the archive
    (``CheckpointPlan``) with rank 0's serialization id; the ranks compare a
    digest of their plans and refuse if they differ (the state is not the same
-   on every rank).
+   on every rank). With ``compare_replicas`` (on unless every rank turns it
+   off) each rank then starts a helper thread computing the CRC-32 of the
+   tensor bytes it holds outside its own range, during steps 2 and 3.
 2. create: rank 0 creates the locked temporary beside the destination,
    allocates its full size, and every rank opens it (the same inode, checked).
 3. write: each rank writes the file bytes of its range (headers, pickle,
    tensor data) through the engine, with zeros where data descriptors and the
    central directory go, computes the CRC-32 of each record piece it wrote,
    and makes its range durable (fsync).
-4. finish: the ranks exchange their pieces' CRCs and combine them into every
-   record's CRC (``fp_crc32_combine``); rank 0 writes the descriptors and the
+4. compare: the ranks exchange their pieces' CRCs and, when comparing, the
+   CRC-32 of every storage record as each rank holds it (its own pieces'
+   combined with the helper's). A record whose CRC differs between ranks, or
+   whose written pieces do not combine into rank 0's CRC, makes every rank
+   raise ``ReplicaMismatchError`` naming it (the file would mix the ranks'
+   values); every rank decides from the same exchanged lists, so none waits.
+5. finish: the pieces' CRCs combine into every record's CRC
+   (``fp_crc32_combine``); rank 0 writes the descriptors and the
    central directory, fsyncs, renames the temporary over the destination and
    fsyncs the folder; the replaced file is freed in the background
    (fastpersist.release).
@@ -33,6 +41,7 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
+import threading
 from typing import Optional
 
 from . import _engine, release, torch_format
@@ -45,6 +54,11 @@ class PartitionedSaveError(RuntimeError):
     """A partitioned save failed on one or more ranks (the same error on every rank)."""
 
 
+class ReplicaMismatchError(PartitionedSaveError, ValueError):
+    """The ranks of a partitioned save hold different tensor values (the same
+    error on every rank; nothing replaced the destination)."""
+
+
 def partition(size: int, world: int, align: int = PARTITION_ALIGN) -> list[tuple[int, int]]:
     """[lo, hi) byte ranges of a file of `size` bytes for `world` ranks:
     contiguous, disjoint, covering it, boundaries on `align`, as even as that allows."""
@@ -55,8 +69,8 @@ def partition(size: int, world: int, align: int = PARTITION_ALIGN) -> list[tuple
 def _plan_digest(plan: torch_format.CheckpointPlan, target: str, sequence: int) -> str:
     """What must be the same on every rank: the file, which of the group's
     saves this is, the CRC setting, names, sizes, offsets and the byte records
-    (the pickle). Tensor values are not compared: replicated state is the
-    caller's promise."""
+    (the pickle). Tensor values are compared by CRC-32 after the write
+    (compare_replicas), where checksumming them overlaps with writing."""
     digest = hashlib.sha256(f"{target}\0{sequence}\0{plan.compute_crc32}\0".encode())
     for r in plan.records:
         digest.update(f"{r.layout.name}:{r.layout.header_offset}:{r.source.nbytes};".encode())
@@ -148,7 +162,7 @@ _checkpoint_groups: dict = {}
 def write_partitioned(plan: Optional[torch_format.CheckpointPlan], path: str, group, opts: Options,
                       planning_error: Optional[BaseException] = None, target: Optional[str] = None,
                       sequence: int = 0) -> int:
-    """Steps 1 to 4 above for a plan made on this rank (None with the error
+    """Steps 1 to 5 above for a plan made on this rank (None with the error
     that stopped its planning); returns the checkpoint's size."""
     from .save import _fsync_folder, _keep_mode_of, _Temporary, remove_stale_temporaries
     from .writer import FastFileWriter
@@ -158,19 +172,23 @@ def write_partitioned(plan: Optional[torch_format.CheckpointPlan], path: str, gr
     folder = os.path.dirname(target)
 
     # 1. the same plan on every rank, with rank 0's serialization id
-    mine = (_plan_digest(plan, target, sequence), torch_format.new_serialization_id()) if plan is not None else None
+    mine = ((_plan_digest(plan, target, sequence), torch_format.new_serialization_id(), opts.compare_replicas)
+            if plan is not None else None)
     agreed = g.agree("pickled the object", path, planning_error, mine)
-    differing = [rank for rank, (digest, _) in enumerate(agreed) if digest != agreed[0][0]]
+    differing = [rank for rank, (digest, _, _) in enumerate(agreed) if digest != agreed[0][0]]
     if differing:
         raise ValueError(f"fastpersist: the partitioned save of {path} needs every rank to save the same state "
                          f"to the same file in the same order, but rank(s) {differing} planned a different "
                          "checkpoint, file or save than rank 0; nothing was written")
     plan.set_serialization_id(agreed[0][1])
+    compare = any(asked for _, _, asked in agreed)  # one rank asking is enough: all of them checksum
 
     # 2. create
-    temporary, writer, identity = None, None, None
+    temporary, writer, identity, others = None, None, None, None
     lo, hi = partition(plan.size, g.world)[g.rank]
     try:
+        if compare:  # overlaps with the steps below; the engine's CRC runs without the GIL
+            others = _OutsideChecksums(plan, lo, hi)
         error = None
         try:
             if g.rank == 0:
@@ -192,19 +210,27 @@ def write_partitioned(plan: Optional[torch_format.CheckpointPlan], path: str, gr
             error = exc
         g.agree("opened the temporary file", path, error)
 
-        # 3. write
-        pieces, error = [], None
+        # 3. write (the pieces' CRCs are computed for the comparison even where the file stores none)
+        pieces, held, error = [], None, None
         try:
-            pieces = _write_range(plan, writer, lo, hi)
+            pieces = _write_range(plan, writer, lo, hi, checksum=plan.compute_crc32 or compare)
             writer.close()  # waits for every write; fsyncs with opts.fsync
+            if others is not None:
+                held = _storage_crcs(plan, pieces + others.result())
         except BaseException as exc:  # noqa: BLE001
             error = exc
-        all_pieces = g.agree(f"wrote bytes {lo}..{hi}", path, error, pieces)
+        exchanged = g.agree(f"wrote bytes {lo}..{hi}", path, error, (pieces, held))
 
-        # 4. finish
+        # 4. compare: every rank has the same lists, so every rank raises or none does
+        written = _combine(plan, [p for rank_pieces, _ in exchanged for p in rank_pieces])
+        if compare:
+            _check_replicas(plan, path, [h for _, h in exchanged], written)
+
+        # 5. finish
         error = None
         try:
-            _set_crcs(plan, [p for rank_pieces in all_pieces for p in rank_pieces])
+            for i, crc in written.items():
+                plan.set_crc(plan.records[i], crc)
             if g.rank == 0:
                 _write_trailer(plan, temporary.path, opts)
                 _keep_mode_of(target, temporary.path)
@@ -222,6 +248,8 @@ def write_partitioned(plan: Optional[torch_format.CheckpointPlan], path: str, gr
             temporary.discard()
         raise
     finally:
+        if others is not None:
+            others.join()  # it reads the state's memory, which an async save hands back when this returns
         if temporary is not None:
             temporary.unlock()
     return plan.size
@@ -238,9 +266,10 @@ def _segments(plan: torch_format.CheckpointPlan):
     yield plan.central_directory_offset, plan.size - plan.central_directory_offset, "directory", -1
 
 
-def _write_range(plan: torch_format.CheckpointPlan, writer, lo: int, hi: int) -> list:
+def _write_range(plan: torch_format.CheckpointPlan, writer, lo: int, hi: int, checksum: bool = True) -> list:
     """Writes the file's bytes in [lo, hi) in order, zeros where the CRCs go;
-    returns (record index, offset in record, length, crc) of each storage piece written."""
+    returns (record index, offset in record, length, crc) of each storage piece
+    written (crc 0 without checksum)."""
     pieces = []
     for offset, length, kind, i in _segments(plan):
         start, end = max(offset, lo), min(offset + length, hi)
@@ -257,16 +286,18 @@ def _write_range(plan: torch_format.CheckpointPlan, writer, lo: int, hi: int) ->
             writer.write(record.source.data[start - offset:end - offset])
         elif record.source.storage is not None:
             address = record.source.storage.data_ptr() + (start - offset)
-            crc = writer.write_address(address, n, 0 if plan.compute_crc32 else None)
+            crc = writer.write_address(address, n, 0 if checksum else None)
             pieces.append((i, start - offset, n, crc or 0))
         else:
             writer.write_zeros(n)  # skip_data: space reserved
     return pieces
 
 
-def _set_crcs(plan: torch_format.CheckpointPlan, pieces: list) -> None:
-    """Combines the pieces' CRCs, in file order, into each storage record's CRC."""
+def _combine(plan: torch_format.CheckpointPlan, pieces: list) -> dict:
+    """Combines (record index, offset, length, crc) pieces, in record order,
+    into {record index: the record's CRC}; the pieces must cover each record."""
     by_record: dict[int, list] = {}
+    crcs = {}
     for i, at, n, crc in pieces:
         by_record.setdefault(i, []).append((at, n, crc))
     for i, parts in by_record.items():
@@ -280,7 +311,166 @@ def _set_crcs(plan: torch_format.CheckpointPlan, pieces: list) -> None:
         if expected != plan.records[i].source.nbytes:
             raise RuntimeError(f"record {plan.records[i].layout.name}: pieces cover {expected} of "
                                f"{plan.records[i].source.nbytes} bytes")
-        plan.set_crc(plan.records[i], crc)
+        crcs[i] = crc
+    return crcs
+
+
+# -- comparing the ranks' values (compare_replicas) --------------------------
+
+def _storages(plan: torch_format.CheckpointPlan) -> list:
+    """Indices of the records whose bytes come from a tensor's memory."""
+    return [i for i, r in enumerate(plan.records)
+            if r.source.data is None and r.source.storage is not None and r.source.nbytes]
+
+
+class _OutsideChecksums:
+    """A helper thread computing the CRC-32 of the storage bytes this rank
+    holds outside its own range [lo, hi) (its own are checksummed as they are
+    written), as (record index, offset, length, crc) pieces. fp_crc32 runs
+    without the GIL, so it overlaps with the rank's own work."""
+
+    def __init__(self, plan: torch_format.CheckpointPlan, lo: int, hi: int):
+        self._pieces: list = []
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, args=(plan, lo, hi), daemon=True,
+                                        name="fastpersist-compare-replicas")
+        self._thread.start()
+
+    def _run(self, plan, lo: int, hi: int) -> None:
+        try:
+            lib, ffi = _engine._load()
+            for i in _storages(plan):
+                r = plan.records[i]
+                start, end = r.layout.data_offset, r.layout.data_offset + r.layout.size
+                base = r.source.storage.data_ptr()
+                for a, b in ((start, min(end, lo)), (max(start, hi), end)):  # before and after the range
+                    if a < b:
+                        crc = lib.fp_crc32(0, ffi.cast("const void *", base + a - start), b - a)
+                        self._pieces.append((i, a - start, b - a, int(crc)))
+        except BaseException as exc:  # noqa: BLE001 - raised by result(), on the rank's own thread
+            self._error = exc
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def result(self) -> list:
+        self.join()
+        if self._error is not None:
+            raise self._error
+        return self._pieces
+
+
+def _storage_crcs(plan: torch_format.CheckpointPlan, pieces: list) -> list:
+    """The CRC-32 of every storage record, in record order, from pieces covering them."""
+    crcs = _combine(plan, pieces)
+    return [crcs[i] for i in _storages(plan)]
+
+
+_LISTED = 4  # differing records named in the error; the rest are counted
+
+
+def _check_replicas(plan: torch_format.CheckpointPlan, path: str, held: list, written: dict) -> None:
+    """Raises ReplicaMismatchError where the ranks' CRCs of a storage record
+    differ (held: each rank's list, in _storages order), or where the bytes
+    the ranks wrote do not combine into rank 0's CRC (written: {index: crc})."""
+    indices = _storages(plan)
+    problems = []
+    for k, i in enumerate(indices):
+        ranks = [rank for rank, crcs in enumerate(held) if crcs[k] != held[0][k]]
+        if ranks:
+            problems.append((i, f"rank(s) {ranks} hold other values than rank 0"))
+        elif written.get(i, 0) != held[0][k]:
+            problems.append((i, "the bytes written are not the values the ranks hold (did they change "
+                                "during the save?)"))
+    if not problems:
+        return
+    names = _tensor_names(plan)
+
+    def describe(i):  # "data/0 (model.w, 4000 bytes)"
+        source = plan.records[i].source
+        tensors = names.get(source.name.rsplit("/", 1)[-1], [])
+        shown = ", ".join(tensors[:3] + (["..."] if len(tensors) > 3 else []) + [f"{source.nbytes} bytes"])
+        return f"{source.name} ({shown})"
+
+    listed = "; ".join(f"{describe(i)}: {why}" for i, why in problems[:_LISTED])
+    more = f"; and {len(problems) - _LISTED} more record(s)" if len(problems) > _LISTED else ""
+    raise ReplicaMismatchError(
+        f"fastpersist: the partitioned save of {path} was refused: the ranks do not hold the same tensor values "
+        f"(CRC-32 of each storage record, {len(problems)} of {len(indices)} differ): {listed}{more}. The file "
+        "would mix the ranks' bytes; nothing replaced the destination and the previous checkpoint is untouched "
+        "(compare_replicas=False, or FASTPERSIST_COMPARE_REPLICAS=0, turns this comparison off)")
+
+
+class _Opaque:
+    """Whatever a pickle builds, with its arguments and state kept and none of its code run."""
+
+    def __new__(cls, *args, **kwargs):
+        self = object.__new__(cls)
+        self.parts = [args, kwargs]
+        return self
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __setstate__(self, state):
+        self.parts.append(state)
+
+    def __setitem__(self, key, value):
+        self.parts.append({key: value})
+
+    def append(self, value):
+        self.parts.append(value)
+
+    def extend(self, values):
+        self.parts.extend(values)
+
+
+class _StorageKey(str):
+    pass
+
+
+class _NamesUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        return _Opaque  # never imports, never calls anything of the pickle's
+
+    def persistent_load(self, pid):
+        return _StorageKey(pid[2]) if isinstance(pid, tuple) and len(pid) > 2 else None
+
+
+def _tensor_names(plan: torch_format.CheckpointPlan) -> dict:
+    """{storage key: where the pickle puts tensors on it ("model.w", "opt[1]")},
+    for the error only; {} where the pickle is not one this can read."""
+    import io
+
+    names: dict = {}
+    budget = [100_000]
+
+    def walk(node, where, depth):
+        budget[0] -= 1
+        if budget[0] < 0 or depth > 64:
+            return
+        if isinstance(node, _StorageKey):
+            names.setdefault(str(node), []).append(where or "the saved object")
+        elif isinstance(node, dict):
+            for key, value in node.items():
+                walk(value, f"{where}.{key}" if where else str(key), depth + 1)
+        elif isinstance(node, (list, tuple)):
+            for n, value in enumerate(node):
+                walk(value, f"{where}[{n}]", depth + 1)
+        elif isinstance(node, _Opaque):  # a tensor, a module, an OrderedDict
+            args, kwargs, *later = node.parts
+            for value in (*args, *kwargs.values()):  # constructor arguments add nothing to the name
+                walk(value, where, depth + 1)
+            for part in later:  # items and attributes (dicts) name themselves; a state tuple does not
+                for value in (part if isinstance(part, tuple) else (part,)):
+                    walk(value, where, depth + 1)
+
+    try:
+        pickled = next(r.source.data for r in plan.records if r.source.name == "data.pkl")
+        walk(_NamesUnpickler(io.BytesIO(pickled)).load(), "", 0)
+    except Exception:  # noqa: BLE001 - a custom pickle_module's format: the record names must do
+        pass
+    return names
 
 
 def _pwrite_all(fd: int, data: bytes, offset: int) -> None:

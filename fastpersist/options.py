@@ -38,6 +38,12 @@ class Options:
         whose tensors have all died is kept for the next load to reuse
         (at most two such mappings, none under memory pressure); 0 gives
         it back to the system at once.
+    compare_replicas: a group save (``save(..., group=pg)``) checks that the
+        ranks hold the same tensor values: each rank computes the CRC-32 of
+        every tensor's bytes as it holds them, the ranks compare them, and a
+        difference makes every rank refuse (the file would mix their values).
+        Off, only the pickle and the sizes are compared. On for the group
+        when any rank has it on.
     """
 
     engine: str = "auto"
@@ -52,6 +58,7 @@ class Options:
     max_engines: int = 4
     snapshot_memory: int = 0
     load_memory_seconds: float = 2.0
+    compare_replicas: bool = True
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:

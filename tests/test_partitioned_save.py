@@ -1,12 +1,15 @@
 """fastpersist.save(obj, path, group=...): N ranks (gloo on CPU, spawned
 processes) write one checkpoint, each its own share of the bytes."""
 import os
+import pickle
 import zipfile
+import zlib
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils.serialization import config
 
 import fastpersist
 from fastpersist import distributed as fp_dist
@@ -33,16 +36,16 @@ def _worker(rank, world, folder, scenario, results):
             written = []
             real = fp_dist._write_range
 
-            def spy(plan, writer, lo, hi):
+            def spy(plan, writer, lo, hi, *rest, **kw):
                 written.append((lo, hi))
-                return real(plan, writer, lo, hi)
+                return real(plan, writer, lo, hi, *rest, **kw)
 
             fp_dist._write_range = spy
             fastpersist.save(obj, dest, group=dist.group.WORLD, engine=["psync", "libaio", "io_uring"][rank % 3])
             results[rank] = ("ok", written)
         elif scenario == "fail":
             if rank == 1:
-                def broken(plan, writer, lo, hi):
+                def broken(plan, writer, lo, hi, *rest, **kw):
                     raise OSError(28, "No space left on device (simulated on rank 1)")
                 fp_dist._write_range = broken
             try:
@@ -83,14 +86,53 @@ def _worker(rank, world, folder, scenario, results):
                 results[rank] = ("saved", None)
             except ValueError as exc:
                 results[rank] = ("error", str(exc))
+        elif scenario in ("values differ", "values differ, compare_replicas off"):
+            if rank == 1:  # the last 4000 bytes of w: past the ranks' boundary, in the range rank 1 writes
+                obj["w"][-1000:] += 1
+            if scenario == "values differ, compare_replicas off":
+                # rank 0 opts out by keyword, rank 1 by the environment
+                if rank == 1:
+                    os.environ["FASTPERSIST_COMPARE_REPLICAS"] = "0"
+                opt_out = {"compare_replicas": False} if rank == 0 else {}
+                fastpersist.save(obj, dest, group=dist.group.WORLD, **opt_out)
+                results[rank] = ("saved", None)
+                return
+            outcomes = []
+            saves = [lambda: fastpersist.save(obj, dest, group=dist.group.WORLD),
+                     lambda: fastpersist.save(obj, dest, group=dist.group.WORLD, compare_replicas=rank != 1),
+                     lambda: fastpersist.save_async(obj, dest, group=dist.group.WORLD).wait()]
+            for compute_crc32 in (True, False):
+                config.save.compute_crc32 = compute_crc32
+                for save in saves:
+                    try:
+                        save()
+                        outcomes.append(("saved", None))
+                    except Exception as exc:  # noqa: BLE001 - compared by the test
+                        outcomes.append((type(exc).__name__, str(exc)))
+            fastpersist.wait_for_saves()
+            results[rank] = ("done", outcomes)
+        elif scenario == "values agree":
+            held = []
+            real = fp_dist._check_replicas
+
+            def spy(plan, path, crcs, written):
+                held.append(crcs)
+                return real(plan, path, crcs, written)
+
+            fp_dist._check_replicas = spy
+            for compute_crc32 in (True, False):
+                config.save.compute_crc32 = compute_crc32
+                name = os.path.join(folder, f"crc32-{compute_crc32}.pt")
+                fastpersist.save(obj, name, group=dist.group.WORLD)
+            results[rank] = ("saved", held)
     finally:
         dist.destroy_process_group()
 
 
-def run(folder, scenario):
+def run(folder, scenario, world=WORLD):
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_worker, args=(WORLD, str(folder), scenario, results), nprocs=WORLD, join=True)
+        mp.spawn(_worker, args=(world, str(folder), scenario, results), nprocs=world, join=True)
         return dict(results)
 
 
@@ -174,3 +216,65 @@ def test_group_needs_an_initialized_group(folder):
     for target in (folder / "x.pt", open(folder / "y.pt", "wb")):
         with pytest.raises(RuntimeError, match="initialized"):
             fastpersist.save({"a": 1}, target, group=object())
+
+
+def test_ranks_whose_tensor_values_differ_are_refused(folder):
+    # rank 1's w differs only where rank 1 writes: without the comparison the
+    # file is rank 0's w up to the boundary and rank 1's after, and loads fine
+    fastpersist.save({"old": 1}, folder / "ckpt.pt")
+    before = (folder / "ckpt.pt").read_bytes()
+    results = run(folder, "values differ", world=2)
+    outcomes = [results[r][1] for r in range(2)]
+    # with and without stored CRCs: save, rank 1 alone opting out (rank 0 still asks), save_async
+    assert [[kind for kind, _ in o] for o in outcomes] == [["ReplicaMismatchError"] * 6] * 2
+    messages = {message for o in outcomes for _, message in o}
+    assert len(messages) == 1  # every rank, every save: the same error
+    message = messages.pop()
+    assert "data/0 (w, 6000000 bytes): rank(s) [1] hold other values than rank 0" in message
+    assert "1 of 3 differ" in message and "previous checkpoint is untouched" in message
+    assert (folder / "ckpt.pt").read_bytes() == before
+    assert leftovers(folder) == []
+
+
+def test_ranks_that_hold_the_same_values_compare_them_and_save(folder):
+    results = run(folder, "values agree", world=2)
+    expected = state()
+    for compute_crc32 in (True, False):
+        path = folder / f"crc32-{compute_crc32}.pt"
+        loaded = vanilla_load(path)
+        assert torch.equal(loaded["w"], expected["w"]) and torch.equal(loaded["b"], expected["b"])
+        assert torch.equal(loaded["nested"]["h"], expected["nested"]["h"]) and loaded["step"] == 5
+        # the CRC-32 of each tensor's bytes (records data/0, 1, 3: "empty" has none)
+        values = [zlib.crc32(t.numpy().tobytes()) for t in (loaded["w"], loaded["b"], loaded["nested"]["h"])]
+        with zipfile.ZipFile(path) as z:
+            stored = [i.CRC for i in z.infolist() if "/data/" in i.filename and i.file_size]
+        # both ranks saw both ranks' CRCs of every tensor record: the values written
+        assert [results[r][1][0 if compute_crc32 else 1] for r in range(2)] == [[values, values]] * 2
+        assert stored == (values if compute_crc32 else [0, 0, 0])  # without CRCs: compared, not stored
+    assert leftovers(folder) == []
+
+
+def test_compare_replicas_off_saves_as_before(folder):
+    results = run(folder, "values differ, compare_replicas off", world=2)
+    assert [results[r][0] for r in range(2)] == ["saved"] * 2
+    w = vanilla_load(folder / "ckpt.pt")["w"]
+    expected = state()["w"]
+    assert torch.equal(w[:-1000], expected[:-1000]) and torch.equal(w[-1000:], expected[-1000:] + 1)  # a mosaic
+    assert leftovers(folder) == []
+
+
+def test_the_refusal_names_the_tensors_and_checks_the_written_bytes(tmp_path):
+    obj = {"model": torch.nn.Linear(3, 2).state_dict(), "opt": [torch.ones(2), torch.zeros(4)], "tied": None}
+    obj["tied"] = obj["opt"][0]
+    plan = fastpersist.torch_format.CheckpointPlan.for_path(obj, str(tmp_path / "x.pt"), pickle, 2, False)
+    indices = fp_dist._storages(plan)
+    crcs = [zlib.crc32(torch.empty(0, dtype=torch.uint8).set_(plan.records[i].source.storage).numpy())
+            for i in indices]
+    written = dict(zip(indices, crcs))
+    fp_dist._check_replicas(plan, "x.pt", [crcs, list(crcs)], written)  # the same: no error
+    with pytest.raises(fp_dist.ReplicaMismatchError, match=r"data/2 \(opt\[0\], tied, 8 bytes\): rank\(s\) \[2\]"):
+        fp_dist._check_replicas(plan, "x.pt", [crcs, crcs, crcs[:2] + [crcs[2] ^ 1] + crcs[3:]], written)
+    with pytest.raises(fp_dist.ReplicaMismatchError, match=r"data/0 \(model.weight, 24 bytes\): the bytes written"):
+        fp_dist._check_replicas(plan, "x.pt", [crcs, crcs], {**written, indices[0]: crcs[0] ^ 1})
+    assert issubclass(fp_dist.ReplicaMismatchError, ValueError)  # like the refusal of differing pickles
+    assert issubclass(fp_dist.ReplicaMismatchError, fp_dist.PartitionedSaveError)
