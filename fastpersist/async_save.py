@@ -248,7 +248,9 @@ class _Writer:
             finally:
                 if job.arena is not None:
                     self.memory.give_back(job.arena)
-                job.plan = job.arena = None
+                # the writer waits for the next job holding this one: nothing of it may outlive the save
+                # (a process group held here outlives destroy_process_group(); see distributed.py)
+                job.plan = job.arena = job.group = None
             job.handle._finish(size, error)
             with self.lock:
                 if job in self.pending:

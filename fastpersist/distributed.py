@@ -42,6 +42,7 @@ import hashlib
 import os
 import pickle
 import threading
+import weakref
 from typing import Optional
 
 from . import _engine, release, torch_format
@@ -80,14 +81,20 @@ def _plan_digest(plan: torch_format.CheckpointPlan, target: str, sequence: int) 
     return digest.hexdigest()
 
 
+def _initialized_distributed():
+    """torch.distributed, where a process group is initialized."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("fastpersist.save(group=...) needs an initialized torch.distributed process group")
+    return dist
+
+
 class _Group:
     """The exchanges the protocol needs, over a torch.distributed group."""
 
     def __init__(self, group):
-        import torch.distributed as dist
-
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("fastpersist.save(group=...) needs an initialized torch.distributed process group")
+        dist = _initialized_distributed()
         self.dist, self.group = dist, group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
@@ -133,12 +140,18 @@ def save_partitioned(obj, path: str, group, opts: Options, pickle_module=pickle,
     return write_partitioned(plan, path, group, opts, error, sequence=sequence)
 
 
-_sequences: dict = {}
+# Both tables hold their groups weakly. A process group that outlives
+# destroy_process_group() keeps its gloo worker threads running into
+# interpreter exit, where one that drops the last reference to a finished
+# collective's tensors needs the GIL, is ended by the finalizing interpreter
+# and aborts the process ("terminate called without an active exception").
+_sequences: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def next_sequence(group) -> int:
     """How many group saves this process has started with `group`: ranks whose
     sequences of saves differ are refused, never paired save for save wrongly."""
+    _initialized_distributed()
     _sequences[group] = _sequences.get(group, 0) + 1
     return _sequences[group]
 
@@ -148,15 +161,17 @@ def checkpoint_group(group):
     from a background thread while training uses `group` itself (two threads
     must not run collectives on one group). Made once per group; every rank of
     the group must ask for it at the same point of its program."""
-    import torch.distributed as dist
-
-    if group not in _checkpoint_groups:
+    dist = _initialized_distributed()
+    made = _checkpoint_groups.get(group)
+    io_group = made() if made is not None else None
+    if io_group is None:
         ranks = dist.get_process_group_ranks(group)
-        _checkpoint_groups[group] = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
-    return _checkpoint_groups[group]
+        io_group = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+        _checkpoint_groups[group] = weakref.ref(io_group)  # torch.distributed holds it until destroyed
+    return io_group
 
 
-_checkpoint_groups: dict = {}
+_checkpoint_groups: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def write_partitioned(plan: Optional[torch_format.CheckpointPlan], path: str, group, opts: Options,
