@@ -87,7 +87,14 @@ def unpickle_weights_only(zip_reader, map_location, **pickle_load_args):
     with the globals below). The C unpickler goes first; any global outside
     the few a plain state dict uses, a protocol other than torch's 2, or
     any error hands the whole pickle to torch's unpickler, which then allows
-    or refuses it (and words its refusal) as torch.load does."""
+    or refuses it (and words its refusal) as torch.load does.
+
+    Only where zip_reader checks the pickle against its CRC-32: the C
+    unpickler takes opcodes torch's refuses, so a damaged pickle that torch
+    would refuse could load. A file saved without CRCs goes to torch's
+    unpickler alone."""
+    if not getattr(zip_reader, "records_checked", False):
+        return _ts._load(zip_reader, map_location, _ts._weights_only_unpickler, **pickle_load_args)
     try:
         return _ts._load(zip_reader, map_location, _PlainStateUnpickling, **pickle_load_args)
     except Exception:
@@ -117,6 +124,22 @@ class _PlainStateUnpickler(pickle.Unpickler):
             raise _NeedsTorchUnpickler(f"{module}.{name}")
         return found
 
+    def __init_subclass__(cls, **kwargs):
+        """torch's _load subclasses this and resolves any global whose name
+        holds "Storage" from the name alone, module ignored; torch's
+        weights-only unpickler allows only the real storage classes. The same
+        rule here, before torch's find_class, so that a pickle whose storage
+        global is damaged goes to torch's unpickler and fails there too."""
+        super().__init_subclass__(**kwargs)
+        theirs = cls.find_class
+
+        def find_class(self, module, name):
+            if isinstance(name, str) and "Storage" in name and (module, name) not in _STORAGE_GLOBALS:
+                raise _NeedsTorchUnpickler(f"{module}.{name}")
+            return theirs(self, module, name)
+
+        cls.find_class = find_class
+
 
 class _NeedsTorchUnpickler(pickle.UnpicklingError):
     pass
@@ -133,6 +156,10 @@ PLAIN_STATE_GLOBALS = {
     ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,  # every dense tensor
     ("torch._utils", "_rebuild_parameter"): torch._utils._rebuild_parameter,  # nn.Parameter (keep_vars=True)
 }
+
+
+# the storage classes torch's weights-only unpickler allows, by (module, name)
+_STORAGE_GLOBALS = frozenset((ts.__module__, ts.__name__) for ts in torch._storage_classes)
 
 
 def default_to_weights_only(pickle_module) -> bool:

@@ -488,7 +488,7 @@ def _locate_tensor(head, tail, length: int, where: str):
         byteorder = index.lookup("byteorder")
         if byteorder is not None and index.read_record(read_at, byteorder) != sys.byteorder.encode("ascii"):
             return None
-        reader = torch_format.TorchArchiveReader(index, read_at)
+        reader = torch_format.TorchArchiveReader(index, read_at, source=where)
         # map_location="meta": shapes and where each storage's bytes start, no data
         meta = _torch_api.unpickle_weights_only(reader, "meta", encoding="utf-8")
     except _OutsideEdges:
@@ -514,7 +514,7 @@ def _tensor_from_archive(memory: "_Memory", at: int, length: int, where: str) ->
     index = torch_format.ArchiveIndex.read(read_at, length, where)
     index.resolve(read_at)
     storage = torch.frombuffer(memory.buffer, dtype=torch.uint8, count=length, offset=at).untyped_storage()
-    reader = torch_format.TorchArchiveReader(index, read_at, storage)
+    reader = torch_format.TorchArchiveReader(index, read_at, storage, where)
     value = _torch_api.unpickle_weights_only(reader, "cpu", encoding="utf-8")
     if not isinstance(value, torch.Tensor):
         raise torch_format.CheckpointError(f"{where}: holds a {type(value).__name__}, not a tensor")

@@ -115,7 +115,7 @@ def load(f, map_location=None, pickle_module=None, *, weights_only: Optional[boo
         # Storages are slices of the whole-file storage, as with overall_storage
         # (mmap=True); through get_storage_from_record each one is checked
         # against its record's size first.
-        reader = TorchArchiveReader(image.index, image.read_at, image.as_storage())
+        reader = TorchArchiveReader(image.index, image.read_at, image.as_storage(), path)
         try:
             if weights_only:
                 return _torch_api.unpickle_weights_only(reader, map_location, **load_args)
@@ -524,7 +524,7 @@ def load_into(target, f, *, strict: bool = True, verify: bool = False, weights_o
         raise CheckpointError(f"{path}: load_into reads zip checkpoints written by torch.save (1.6 or later); "
                               "this one is legacy, TorchScript or compressed")
     with image:
-        reader = _NativeOrderReader(image.index, image.read_at)
+        reader = _NativeOrderReader(image.index, image.read_at, source=path)
         image.prefetch_local_headers()
         # shapes and file places only; no tensor data read
         if weights_only:
@@ -657,7 +657,7 @@ class _Plan:
 def _file_byte_order(image: _CheckpointImage) -> str:
     if "byteorder" not in image.index.records:
         return "little"  # torch's default for files without the record
-    return TorchArchiveReader(image.index, image.read_at).get_record("byteorder").decode("ascii", "replace")
+    return TorchArchiveReader(image.index, image.read_at, source=image.path).get_record("byteorder").decode("ascii", "replace")
 
 
 def _plan(image: _CheckpointImage, stored: dict, target: dict, strict: bool, is_module: bool,

@@ -883,10 +883,12 @@ class TorchArchiveReader:
     ``torch.serialization._load``, answering from an ArchiveIndex;
     read_at(offset, n) fetches bytes (from memory already read, or the file)."""
 
-    def __init__(self, index: ArchiveIndex, read_at, storage=None):
+    def __init__(self, index: ArchiveIndex, read_at, storage=None, source: str = "the checkpoint"):
         self.index = index
+        self._source = source  # named in errors: the file's path
         self._read_at = read_at
         self._storage = storage  # the whole file as one UntypedStorage, when it has been read
+        self._checksummed: Optional[bool] = None  # has_checksums, asked once
 
     def has_record(self, name: str) -> bool:
         return self.index.lookup(name) is not None
@@ -894,8 +896,26 @@ class TorchArchiveReader:
     def get_all_records(self) -> list:
         return list(self.index.listed)
 
+    @property
+    def records_checked(self) -> bool:
+        """Whether get_record checks each record against its CRC-32 (the
+        archive has them)."""
+        if self._checksummed is None:
+            self._checksummed = self.index.has_checksums
+        return self._checksummed
+
     def get_record(self, name: str) -> bytes:
-        return self.index.read_record(self._read_at, self.index.entry(name))
+        """A byte record (data.pkl, version, byteorder), checked against its
+        CRC-32 where the archive has them: torch.load checks none, so a
+        flipped byte in the pickle would otherwise load whatever it unpickles
+        to. These records are small; tensor data is checked with verify=True."""
+        r = self.index.entry(name)
+        data = self.index.read_record(self._read_at, r)
+        if self.records_checked and zlib.crc32(data) != r.crc:
+            raise CheckpointError(f"{self._source}: record '{name}' fails its CRC-32 check ({r.size} bytes at "
+                                  f"offset {r.data_offset}); the file is corrupt (torch.load does not check "
+                                  "CRCs and may load it into different objects)")
+        return data
 
     def get_record_offset(self, name: str) -> int:
         r = self.index.entry(name)

@@ -2,14 +2,16 @@
 clear fastpersist.CheckpointError naming the file (and the record), never a
 crash, a hang or an allocation the file does not justify."""
 import random
+import re
 import struct
+import zlib
 
 import pytest
 import torch
 
 import fastpersist
 from fastpersist import CheckpointError
-from fastpersist.patching import original_save
+from fastpersist.patching import original_load, original_save
 from fastpersist.torch_format import ArchiveIndex
 
 
@@ -87,7 +89,10 @@ def test_pickle_pointing_past_its_record(folder, old, new, needs):
     original_save()({"w": torch.arange(100)}, path)
     data = path.read_bytes()
     assert data.count(old) == 1  # torch 2.13's pickle of this dict
-    path.write_bytes(data.replace(old, new))
+    data = bytearray(data.replace(old, new))
+    start, size = _pickle_start(bytes(data))
+    _set_crc(data, "data.pkl", zlib.crc32(bytes(data[start:start + size])))  # crafted: its CRC matches
+    path.write_bytes(bytes(data))
     dst = torch.full((100,), 7)
     with pytest.raises(CheckpointError, match=rf"lie.pt: the tensor 'w' needs {needs} bytes of record 'data/0', "
                                               r"which holds 800; the file is corrupt"):
@@ -215,3 +220,112 @@ def pickle_errors():
 
 def test_errors_are_runtime_errors_like_torchs():
     assert issubclass(CheckpointError, RuntimeError)
+
+
+# -- a damaged pickle -------------------------------------------------------------
+
+
+def _pickle_start(data: bytes) -> tuple[int, int]:
+    """Where the data.pkl record's bytes start in the file, and its size."""
+    index = index_of_bytes(data)
+    r = next(r for name, r in index.records.items() if name == "data.pkl")
+    return r.data_offset, r.size
+
+
+def index_of_bytes(data: bytes):
+    index = ArchiveIndex.read(lambda o, n: data[o:o + n], len(data), "bytes")
+    index.resolve(lambda o, n: data[o:o + n])
+    return index
+
+
+def _outcome(call):
+    try:
+        call()
+        return "loaded"
+    except Exception:  # noqa: BLE001 - each side's refusal, whatever its type
+        return "refused"
+
+
+@pytest.mark.parametrize("crc32", [True, False], ids=["with CRCs", "without CRCs"])
+def test_a_damaged_pickle_that_torch_refuses_is_refused(folder, crc32):
+    """One-byte damage anywhere in data.pkl: wherever torch.load refuses the
+    file, fastpersist.load and load_into refuse it too (the C unpickler took
+    opcodes and storage globals that torch's refuses: 3 in 400 loaded). With
+    CRCs in the archive every damaged pickle is refused, naming the record."""
+    from torch.utils.serialization import config
+
+    config.save.compute_crc32 = crc32
+    try:
+        path = folder / "sd.pt"
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+        original_save()(model.state_dict(), path)
+    finally:
+        config.save.compute_crc32 = True
+    pristine = path.read_bytes()
+    start, size = _pickle_start(pristine)
+    rng = random.Random(7)
+    refused = {"torch.load": 0, "torch.load + load_state_dict": 0}
+
+    def fresh():
+        return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+
+    for n in range(300):
+        data = bytearray(pristine)
+        data[start + rng.randrange(size)] ^= 1 << rng.randrange(8)
+        path.write_bytes(bytes(data))
+        # load_into puts tensors where the target's are: torch.load's counterpart maps to that device
+        pairs = {"torch.load": (lambda: original_load()(path, weights_only=True),
+                                lambda: fastpersist.load(path, weights_only=True)),
+                 "torch.load + load_state_dict": (
+                     lambda: fresh().load_state_dict(original_load()(path, weights_only=True, map_location="cpu")),
+                     lambda: fastpersist.load_into(fresh(), path))}
+        for what, (theirs, ours) in pairs.items():
+            if _outcome(theirs) == "refused":
+                refused[what] += 1
+                assert _outcome(ours) == "refused", f"damage {n}: {what} refuses it, fastpersist loaded it"
+            elif crc32:
+                assert _outcome(ours) == "refused", f"damage {n}: a corrupt pickle loaded"
+    assert min(refused.values()) > 100
+
+
+def test_a_pickle_failing_its_crc_names_the_file_and_record(folder):
+    path = checkpoint(folder)
+    data = bytearray(path.read_bytes())
+    start, size = _pickle_start(bytes(data))
+    at = bytes(data).index(b"torch\nFloatStorage", start)  # the storage global's module: torch ignores it
+    data[at + 4] = ord("s")  # "torcs"
+    path.write_bytes(bytes(data))
+    assert original_load()(path, weights_only=False)["step"] == 7  # torch: no complaint
+    for load in (lambda: fastpersist.load(path), lambda: fastpersist.load(path, weights_only=False),
+                 lambda: fastpersist.load_into(target(), path)):
+        with pytest.raises(CheckpointError, match=rf"{re.escape(str(path))}: record 'data.pkl' fails its CRC-32 check"):
+            load()
+
+
+def test_the_c_unpickler_refuses_storage_globals_torch_refuses(folder):
+    """A file saved without CRCs goes to torch's unpickler alone; with a CRC
+    that matches, a storage global outside torch's own classes still goes to
+    torch's unpickler, which refuses it as torch.load does."""
+    from fastpersist import _torch_api
+
+    path = checkpoint(folder)
+    data = bytearray(path.read_bytes())
+    at = bytes(data).index(b"torch\nFloatStorage")
+    data[at + 4] = ord("s")
+    start, size = _pickle_start(bytes(data))
+    _set_crc(data, "data.pkl", zlib.crc32(bytes(data[start:start + size])))  # a CRC that matches the damage
+    path.write_bytes(bytes(data))
+    with pytest.raises(Exception) as theirs:
+        original_load()(path, weights_only=True)
+    with pytest.raises(type(theirs.value)) as ours:
+        fastpersist.load(path, weights_only=True)
+    assert "torcs.FloatStorage" in str(ours.value)
+    assert ("torch", "FloatStorage") in _torch_api._STORAGE_GLOBALS
+
+
+def _set_crc(data: bytearray, name: str, crc: int) -> None:
+    """Writes crc into the central directory entry and local header of record `name`."""
+    index = index_of_bytes(bytes(data))
+    r = index.records[name]
+    for offset in (r.header_offset + 14, _central_entry_offset(bytes(data), f"/{name}".encode()) + 16):
+        data[offset:offset + 4] = struct.pack("<I", crc)
