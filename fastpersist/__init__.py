@@ -5,7 +5,7 @@ Files stay standard torch checkpoints that any ``torch.load`` reads.
 """
 import os
 
-from .async_save import SaveHandle, save_async
+from .async_save import SaveHandle, release_snapshot_memory, save_async
 from .async_save import wait_for_all as wait_for_saves
 from .load import IncompatibleKeys, load, load_into, release_load_memory
 from .options import Options
@@ -17,7 +17,7 @@ from .writer import FastFileWriter
 
 __version__ = "0.1.0"
 __all__ = ["CheckpointError", "FastFileWriter", "IncompatibleKeys", "Options", "SaveHandle", "is_patched", "load",
-           "load_into", "patch", "release_load_memory", "save", "save_async", "unpatch", "wait_for_releases", "wait_for_saves",
+           "load_into", "patch", "release_load_memory", "release_snapshot_memory", "save", "save_async", "unpatch", "wait_for_releases", "wait_for_saves",
            "__version__"]
 
 
