@@ -11,7 +11,7 @@ from .load import IncompatibleKeys, load, load_into, release_load_memory
 from .options import Options
 from .patching import is_patched, patch, unpatch
 from .release import wait_for_releases
-from .save import save
+from .save_api import save
 from .torch_format import CheckpointError
 from .writer import FastFileWriter
 

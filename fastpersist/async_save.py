@@ -26,7 +26,12 @@ from typing import Optional
 
 from . import _torch_api, torch_format
 from . import release  # noqa: F401 - registers its exit hook before ours, so it runs after ours
+from .distributed import checkpoint_group, next_sequence, write_partitioned
 from .options import Options, current_options
+
+# the module fastpersist.save (the package's attribute of that name is the
+# public function); its functions are looked up at call time
+_single = importlib.import_module(".save", __package__)
 
 log = logging.getLogger("fastpersist")
 
@@ -227,20 +232,16 @@ class _Writer:
             self.pending.append(job)
 
     def _run(self) -> None:
-        save = importlib.import_module(".save", __package__)  # the module; fastpersist.save is the function
-
         while True:
             job = self.jobs.get()
             size, error = None, None
             try:
                 # the file the caller named when it called save_async (not after a chdir)
                 if job.group is not None:
-                    from .distributed import write_partitioned
-
                     size = write_partitioned(job.plan, job.path, job.group, job.opts, job.planning_error,
                                              target=job.target, sequence=job.sequence)
                 else:
-                    size = save.write_plan_to_path(job.plan, job.path, job.opts, target=job.target)
+                    size = _single.write_plan_to_path(job.plan, job.path, job.opts, target=job.target)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller through wait()
                 error = exc
                 _drop_frames(exc)  # the traceback would keep the engine and the snapshot alive
@@ -290,10 +291,8 @@ def save_async(obj, f, pickle_module=pickle, pickle_protocol: int = _torch_api.D
     fails if any rank's share fails; a pickling error on one rank too comes
     out of ``wait()`` on every rank.
     """
-    from .save import _not_accelerated_because
-
     opts = current_options().replace(**options)
-    reason = _not_accelerated_because(f, pickle_module, True)
+    reason = _single.not_accelerated_because(f, pickle_module, True)
     if group is not None:
         return _save_async_partitioned(obj, f, group, opts, pickle_module, pickle_protocol,
                                        _disable_byteorder_record, reason)
@@ -325,8 +324,6 @@ def _save_async_partitioned(obj, f, group, opts: Options, pickle_module, pickle_
     """save_async(group=...): whatever goes wrong on this rank still reaches
     the ranks' exchange, in the background, so that every rank's save fails
     and none waits forever."""
-    from .distributed import checkpoint_group, next_sequence
-
     io_group = checkpoint_group(group)
     sequence = next_sequence(group)
     path = os.fspath(f) if isinstance(f, (str, os.PathLike)) else repr(f)

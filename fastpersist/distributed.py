@@ -47,6 +47,8 @@ from typing import Optional
 
 from . import _engine, release, torch_format
 from .options import Options
+from .save import _fsync_folder, _keep_mode_of, _Temporary, remove_stale_temporaries
+from .writer import FastFileWriter
 
 PARTITION_ALIGN = 4096  # rank boundaries fall on whole blocks, so O_DIRECT writes stay whole
 
@@ -179,9 +181,6 @@ def write_partitioned(plan: Optional[torch_format.CheckpointPlan], path: str, gr
                       sequence: int = 0) -> int:
     """Steps 1 to 5 above for a plan made on this rank (None with the error
     that stopped its planning); returns the checkpoint's size."""
-    from .save import _fsync_folder, _keep_mode_of, _Temporary, remove_stale_temporaries
-    from .writer import FastFileWriter
-
     g = _Group(group)
     target = target or os.path.realpath(path)
     folder = os.path.dirname(target)

@@ -22,7 +22,7 @@ __all__ = ["current_options", "is_patched", "original_load", "original_save", "p
 @functools.wraps(_original_save)
 def _fast_save(obj, f, pickle_module=pickle, pickle_protocol=DEFAULT_PROTOCOL,
                _use_new_zipfile_serialization=True, _disable_byteorder_record=False):
-    from .save import save
+    from .save_api import save
 
     return save(obj, f, pickle_module, pickle_protocol, _use_new_zipfile_serialization, _disable_byteorder_record)
 

@@ -1,5 +1,8 @@
-"""fastpersist.save: torch.save's format and behaviour, written through the
-engine, durably and atomically."""
+"""One process's checkpoint at a path: torch.save's format and behaviour,
+written through the engine, durably and atomically (a locked temporary
+renamed over the file), or in place where no temporary can stand in for it.
+The public ``fastpersist.save``, which also dispatches group saves and
+waits for earlier asynchronous ones, is in save_api, above this."""
 from __future__ import annotations
 
 import errno
@@ -13,7 +16,7 @@ import stat
 from typing import Optional
 
 from . import _torch_api, release, torch_format
-from .options import Options, current_options
+from .options import Options
 from .fileio import same_file
 from .writer import FastFileWriter
 
@@ -22,48 +25,7 @@ log = logging.getLogger("fastpersist")
 DEFAULT_PROTOCOL = _torch_api.DEFAULT_PROTOCOL
 
 
-def save(obj, f, pickle_module=pickle, pickle_protocol: int = DEFAULT_PROTOCOL,
-         _use_new_zipfile_serialization: bool = True, _disable_byteorder_record: bool = False,
-         *, group=None, **options) -> None:
-    """Saves ``obj`` like ``torch.save(obj, f, ...)``, in the same format.
-
-    When ``f`` is a path, the checkpoint is streamed through fastpersist's
-    engine into a temporary file beside it, made durable (fsync) and renamed
-    over ``f``: a failed save leaves any previous file untouched. Other
-    targets (file objects, buffers) and ``_use_new_zipfile_serialization=False``
-    go to the original ``torch.save``.
-
-    ``group`` (a torch.distributed process group, or ``torch.distributed.group.WORLD``):
-    every rank of it calls save with the same state, and each writes a
-    disjoint, balanced share of the one file (see fastpersist.distributed);
-    a failure on any rank fails the save on every rank.
-
-    Keyword options (see :class:`fastpersist.Options`) override those of
-    ``fastpersist.patch()`` and the ``FASTPERSIST_*`` environment variables.
-    """
-    opts = current_options().replace(**options)
-    reason = _not_accelerated_because(f, pickle_module, _use_new_zipfile_serialization)
-    if group is not None:
-        from .async_save import wait_for_saves_to
-        from .distributed import save_partitioned
-
-        # A refusal on one rank still goes through the ranks' exchange: every rank fails, none hangs.
-        refusal = TypeError(f"fastpersist.save(group=...) writes checkpoints to paths; {f!r}: {reason}") \
-            if reason else None
-        path = os.fspath(f) if isinstance(f, (str, os.PathLike)) else repr(f)
-        if refusal is None:
-            wait_for_saves_to(path)
-        save_partitioned(obj, path, group, opts, pickle_module, pickle_protocol, _disable_byteorder_record, refusal)
-        return
-    if reason:
-        log.debug("fastpersist: torch.save to %r goes to the original torch.save: %s", f, reason)
-        return _torch_api.original_save()(obj, f, pickle_module, pickle_protocol,
-                               _use_new_zipfile_serialization, _disable_byteorder_record)
-
-    save_to_path(obj, os.fspath(f), opts, pickle_module, pickle_protocol, _disable_byteorder_record)
-
-
-def _not_accelerated_because(f, pickle_module, use_new_zipfile: bool) -> Optional[str]:
+def not_accelerated_because(f, pickle_module, use_new_zipfile: bool) -> Optional[str]:
     """Why a torch.save call must go to the original, or None."""
     if not use_new_zipfile:
         return "the legacy format was asked for"
@@ -87,9 +49,6 @@ def _not_accelerated_because(f, pickle_module, use_new_zipfile: bool) -> Optiona
 def save_to_path(obj, path: str, opts: Options, pickle_module=pickle, pickle_protocol: int = DEFAULT_PROTOCOL,
                  disable_byteorder_record: bool = False) -> int:
     """Writes obj as a torch checkpoint at path; returns its size in bytes."""
-    from .async_save import wait_for_saves_to
-
-    wait_for_saves_to(path)  # an earlier save_async to this file lands first, never over this one
     plan = torch_format.CheckpointPlan.for_path(obj, path, pickle_module, pickle_protocol,
                                                 disable_byteorder_record)
     return write_plan_to_path(plan, path, opts)
