@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from fastpersist import cli
+from fastpersist import cli, filesystems
 from fastpersist.bench import common, default, restart, sweep
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -207,7 +207,7 @@ def test_cache_dropper_checks_with_mincore(tmp_path):
 
 
 def test_filesystem_of_reports_mount_options(tmp_path):
-    fs = cli.filesystem_of(str(tmp_path))
+    fs = filesystems.filesystem_of(str(tmp_path))
     assert fs is not None and fs["options"].startswith(("rw", "ro"))
 
 

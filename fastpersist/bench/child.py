@@ -1,6 +1,6 @@
 """What a fresh process measures for ``fastpersist bench``: one load, or one
 restart (build the model, restore it, take a first step). Started by
-common.FreshProcesses; the result goes back through a pipe as a dict:
+fresh.FreshProcesses; the result goes back through a pipe as a dict:
 ``{"ok": True, "seconds": ..., "phases": {...}, ...}``."""
 from __future__ import annotations
 

@@ -16,7 +16,6 @@ import dataclasses
 import json
 import math
 import mmap
-import multiprocessing
 import os
 import platform
 import random
@@ -463,7 +462,7 @@ def machine_info(folder: str) -> dict:
     import torch
 
     import fastpersist
-    from fastpersist.cli import filesystem_of, probe_o_direct
+    from fastpersist.filesystems import filesystem_of, probe_o_direct
 
     fs = filesystem_of(folder)
     mem_total = _first_line_with("/proc/meminfo", "MemTotal")
@@ -515,51 +514,6 @@ def machine_lines(info: dict) -> list:
 
 # ---------------------------------------------------------------------------
 # fresh processes
-
-
-class FreshProcesses:
-    """Runs one measurement per new process, as after a restart.
-
-    The processes are forked by a multiprocessing fork server that has only
-    imported torch and fastpersist: each starts with none of this process's
-    memory, engines or cached allocations, and the seconds it would spend
-    importing torch (which no checkpoint format changes) are not counted.
-    The server is started at once, so its imports overlap the set-up."""
-
-    def __init__(self):
-        # the server and its children read the environment as it is now
-        os.environ["FASTPERSIST_AUTOPATCH"] = "0"
-        self._context = multiprocessing.get_context("forkserver")
-        self._context.set_forkserver_preload(["torch", "fastpersist", "fastpersist.bench.child",
-                                              "fastpersist.bench.common", "fastpersist.bench.models"])
-        from multiprocessing import forkserver
-
-        forkserver.ensure_running()
-
-    def run(self, spec: dict, timeout: float = 3600) -> dict:
-        from . import child
-
-        receiver, sender = self._context.Pipe(duplex=False)
-        process = self._context.Process(target=child.main, args=(spec, sender), daemon=True)
-        process.start()
-        sender.close()
-        try:
-            if not receiver.poll(timeout):
-                process.kill()
-                raise BenchError(f"a fresh process measuring {spec.get('mechanism')} took more than {timeout:.0f} s")
-            try:
-                result = receiver.recv()
-            except EOFError:
-                process.join()
-                raise BenchError(f"the fresh process measuring {spec.get('mechanism')} died "
-                                 f"(exit code {process.exitcode}; out of memory?)") from None
-        finally:
-            receiver.close()
-        process.join()
-        if not result.get("ok"):
-            sys.stderr.write(result.get("traceback", ""))
-            raise BenchError(f"{spec.get('mechanism')} failed in a fresh process: {result.get('error')}")
-        return result
 
 
 # ---------------------------------------------------------------------------

@@ -31,6 +31,7 @@ import time
 from typing import Callable, Optional
 
 from . import common
+from .fresh import FreshProcesses
 from .common import GB, BenchError, Series, echo, fmt
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -128,7 +129,7 @@ class DefaultBench:
         self.workspace = common.Workspace(args.folder, int(model_bytes * (3 + len(self.engines)) * 1.05) + (64 << 20))
         self.dropper = common.CacheDropper(args.cache_drop)
         self.checkpoint = self.workspace.file("checkpoint.pt")  # what every load reads, written by torch.save
-        self.fresh: Optional[common.FreshProcesses] = None
+        self.fresh: Optional[FreshProcesses] = None
         self.series: list = []
 
     def opts(self, engine: str):
@@ -143,7 +144,7 @@ class DefaultBench:
 
         from . import models
 
-        self.fresh = common.FreshProcesses()  # its imports overlap building the model
+        self.fresh = FreshProcesses()  # its imports overlap building the model
         bar.set_postfix_str("building the model")
         start = time.perf_counter()
         self.model = models.build(self.config, self.dtype)

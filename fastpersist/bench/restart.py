@@ -27,6 +27,7 @@ import shutil
 import time
 
 from . import common
+from .fresh import FreshProcesses
 from .common import GB, Series, echo, fmt
 
 CHECKPOINT = ("torch.save + fsync", "fastpersist.save")
@@ -205,7 +206,7 @@ def run(args) -> int:
                   f"{common.plural(args.repeats, 'round')}, in {workspace.path} (removed afterwards)")
     try:
         machine = common.machine_info(workspace.path)
-        fresh = common.FreshProcesses()
+        fresh = FreshProcesses()
         steps = len(args.models) * (1 + args.repeats * (len(CHECKPOINT) + len(RESTART)))
         with common.progress(steps, "fastpersist bench restart") as bar:
             for name in args.models:  # one model in memory at a time
