@@ -43,7 +43,7 @@ OPTIONAL = [
 
 sources = ["fp_engine.c", "fp_backend_psync.c"]
 macros = []
-libraries = ["pthread"]  # the prefault helper thread of fp_pread
+libraries = ["pthread"]  # the copy-out helper thread of fp_read_extents
 for macro, lib, source, probe in OPTIONAL:
     if _links(probe, lib):
         macros.append((macro, "1"))

@@ -12,9 +12,6 @@
 
 #include "fp_engine_internal.h"
 
-#ifndef MADV_POPULATE_WRITE
-#define MADV_POPULATE_WRITE 23 /* Linux 5.14; older kernels refuse it with EINVAL */
-#endif
 
 #ifdef FP_HAVE_ISAL
 #include <isa-l/crc.h>
@@ -897,62 +894,8 @@ int64_t fp_read_extents(struct fp_engine *e, int direct_fd, int buffered_fd,
     return e->error ? e->error : c.copied;
 }
 
-/* Faults in the pages of fresh destination memory ahead of the reads into it
- * (FP_READ_PREFAULT). The reader waits until `ready` passes each piece. */
-#define FP_PREFAULT_CHUNK (8u << 20)
-
-struct prefault {
-    pthread_t thread;
-    pthread_mutex_t lock;
-    pthread_cond_t cond;
-    char *base;
-    size_t size, ready;
-    int stop;               /* the read ended early (an error): stop faulting */
-};
-
-static void *prefault_main(void *arg)
-{
-    struct prefault *p = arg;
-    size_t done = 0;
-    while (done < p->size && !__atomic_load_n(&p->stop, __ATOMIC_RELAXED)) {
-        size_t n = p->size - done < FP_PREFAULT_CHUNK ? p->size - done : FP_PREFAULT_CHUNK;
-        /* On failure (kernel < 5.14, no memory) the reads fault pages themselves. */
-        int ok = madvise(p->base + done, n, MADV_POPULATE_WRITE) == 0;
-        done = ok ? done + n : p->size;
-        pthread_mutex_lock(&p->lock);
-        p->ready = done;
-        pthread_cond_broadcast(&p->cond);
-        pthread_mutex_unlock(&p->lock);
-    }
-    return NULL;
-}
-
-static void prefault_wait(struct prefault *p, size_t upto)
-{
-    pthread_mutex_lock(&p->lock);
-    while (p->ready < upto)
-        pthread_cond_wait(&p->cond, &p->lock);
-    pthread_mutex_unlock(&p->lock);
-}
-
-/* Reads [d, d+len) at file offset off straight into d with O_DIRECT; with a
- * prefault helper, each piece is queued once its pages are in. */
-static void read_direct(struct fp_engine *e, char *d, size_t len, uint64_t off, struct prefault *p)
-{
-    if (!p) {
-        queue_range(e, e->direct_fd, 0, 1, -1, d, len, off);
-        return;
-    }
-    for (size_t k = 0; k < len && !e->error; k += FP_PREFAULT_CHUNK) {
-        size_t n = len - k < FP_PREFAULT_CHUNK ? len - k : FP_PREFAULT_CHUNK;
-        prefault_wait(p, (size_t)(d + k + n - p->base));
-        queue_range(e, e->direct_fd, 0, 1, -1, d + k, n, off + k);
-        kick(e);
-    }
-}
-
 int64_t fp_pread(struct fp_engine *e, int direct_fd, int buffered_fd, void *dst,
-                 size_t n, uint64_t offset, unsigned flags)
+                 size_t n, uint64_t offset)
 {
     char *d = dst;
     uint64_t end = offset + n;
@@ -968,28 +911,11 @@ int64_t fp_pread(struct fp_engine *e, int direct_fd, int buffered_fd, void *dst,
     if (direct_fd < 0 || a0 >= a1) {
         queue_range(e, buffered_fd, 0, 0, -1, d, n, offset);
     } else {
-        struct prefault pf, *p = NULL;
-        if ((flags & FP_READ_PREFAULT) && a1 - a0 >= 2 * FP_PREFAULT_CHUNK) {
-            pf.base = d + (a0 - offset);
-            pf.size = (size_t)(a1 - a0);
-            pf.ready = 0;
-            pf.stop = 0;
-            pthread_mutex_init(&pf.lock, NULL);
-            pthread_cond_init(&pf.cond, NULL);
-            if (pthread_create(&pf.thread, NULL, prefault_main, &pf) == 0)
-                p = &pf;
-        }
         if (offset < a0)
             queue_range(e, buffered_fd, 0, 0, -1, d, (size_t)(a0 - offset), offset);
-        read_direct(e, d + (a0 - offset), (size_t)(a1 - a0), a0, p);
+        queue_range(e, e->direct_fd, 0, 1, -1, d + (a0 - offset), (size_t)(a1 - a0), a0);
         if (a1 < end)
             queue_range(e, buffered_fd, 0, 0, -1, d + (a1 - offset), (size_t)(end - a1), a1);
-        if (p) {
-            __atomic_store_n(&p->stop, 1, __ATOMIC_RELAXED);
-            pthread_join(p->thread, NULL);
-            pthread_mutex_destroy(&p->lock);
-            pthread_cond_destroy(&p->cond);
-        }
     }
     wait_all(e);
     if (e->error)

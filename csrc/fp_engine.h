@@ -119,20 +119,16 @@ void fp_stream_abort(struct fp_engine *e);
 uint64_t fp_stream_offset(const struct fp_engine *e);
 int fp_stream_direct(const struct fp_engine *e);
 
-/* fp_pread flags */
-enum { FP_READ_PREFAULT = 1 };
-
 /*
  * Reads n bytes at `offset` into dst. When dst and offset are aligned alike,
  * the aligned middle is read straight into dst with O_DIRECT requests, up to
  * queue_depth in flight; otherwise it goes through the engine's buffers.
- * FP_READ_PREFAULT: dst is freshly mapped memory; a helper thread faults its
- * pages in ahead of the reads, so zeroing new pages (the kernel's price for
- * fresh memory) runs on another core while the device transfers.
+ * Fresh destination memory is faulted in by the caller (fastpersist.fileio's
+ * prefaulting helpers), not here.
  * Returns the number of bytes read (less than n only at end of file).
  */
 int64_t fp_pread(struct fp_engine *e, int direct_fd, int buffered_fd, void *dst,
-                 size_t n, uint64_t offset, unsigned flags);
+                 size_t n, uint64_t offset);
 
 /* One destination of fp_read_extents: `length` file bytes at `offset`. */
 struct fp_extent {

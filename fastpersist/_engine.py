@@ -160,14 +160,13 @@ class Engine:
 
     # -- reads ----------------------------------------------------------
     def pread_into(self, direct_fd: int, buffered_fd: int, address: int, nbytes: int, offset: int,
-                   path: Optional[str] = None, *, prefault: bool = False) -> int:
+                   path: Optional[str] = None) -> int:
         """Reads nbytes at offset into host memory at address; returns bytes read.
-        prefault=True: the memory is freshly mapped, fault it in on another thread."""
+        (Fresh memory: fileio.prefaulting faults it in ahead of the reads.)"""
         lib, ffi = _load()
         self._path = path
-        flags = lib.FP_READ_PREFAULT if prefault else 0
         return self._check(
-            lib.fp_pread(self._handle, direct_fd, buffered_fd, ffi.cast("void *", address), nbytes, offset, flags),
+            lib.fp_pread(self._handle, direct_fd, buffered_fd, ffi.cast("void *", address), nbytes, offset),
             "read",
         )
 

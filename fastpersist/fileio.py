@@ -108,6 +108,22 @@ def _read_extents(engine: _engine.Engine, direct_fd: int, fd: int, path: str, ex
     return crcs
 
 
+def read_through_page_cache(fd: int, memory, nbytes: int, path: str) -> None:
+    """Reads the first nbytes of the file into memory (a writable buffer)
+    with plain reads, no engine; EOFError where the file ended early. For
+    small files, where taking a new engine costs more than the read."""
+    view = memoryview(memory)[:nbytes]
+    try:
+        done = 0
+        while done < nbytes:
+            got = os.preadv(fd, [view[done:]], done)
+            if got == 0:
+                raise EOFError(path)
+            done += got
+    finally:
+        view.release()
+
+
 class _Prefault:
     """Faults in the pages of destination extents, in file order, on helper
     threads (madvise MADV_POPULATE_WRITE, Linux 5.14+; elsewhere the copies

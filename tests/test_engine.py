@@ -307,8 +307,10 @@ def test_read_extents_short_at_end_of_file(engine, read_file, present):
 
 
 def test_pread_into_fresh_memory_with_prefault(engine, tmp_path):
-    """Large enough for the prefault helper (two 8 MiB pieces or more), into a
-    fresh mapping, at an unaligned start and end."""
+    """Into a fresh mapping faulted in by fileio.prefaulting meanwhile (large
+    enough for its threads), at an unaligned start and end."""
+    from fastpersist.fileio import prefaulting
+
     import mmap
 
     size = 40 << 20
@@ -323,7 +325,8 @@ def test_pread_into_fresh_memory_with_prefault(engine, tmp_path):
     bfd = os.open(path, os.O_RDONLY)
     dfd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:
-        got = e.pread_into(dfd, bfd, view.ctypes.data + 100, n, offset, str(path), prefault=True)
+        with prefaulting([(view.ctypes.data + 100, offset, n)]):
+            got = e.pread_into(dfd, bfd, view.ctypes.data + 100, n, offset, str(path))
     finally:
         os.close(bfd)
         os.close(dfd)
