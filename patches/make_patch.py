@@ -103,7 +103,7 @@ def patched_source(source: str) -> str:
         "\n",
         '    if _fp_os.environ.get("FASTPERSIST_SOURCE_PATCH", "1") != "0":\n',
         "        try:\n",
-        "            from fastpersist.save import save as _fp_save\n",
+        "            from fastpersist.save_api import save as _fp_save\n",
         "        except ImportError:\n",
         "            pass\n",
         "        else:\n",

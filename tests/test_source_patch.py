@@ -33,7 +33,7 @@ needs_patch_file = pytest.mark.skipif(
 )
 needs_patch_tool = pytest.mark.skipif(shutil.which("patch") is None, reason="the patch program is not installed")
 
-fp_save_module = importlib.import_module("fastpersist.save")  # `fastpersist.save` is the function
+fp_save_module = importlib.import_module("fastpersist.save_api")  # `fastpersist.save` is the function
 
 
 def _apply(workdir: Path) -> Path:
@@ -83,7 +83,7 @@ def patched_module(tmp_path_factory):
 
 @pytest.fixture
 def calls(monkeypatch, patched_module):
-    """Spies on fastpersist.save.save, fastpersist's original save and the vanilla save."""
+    """Spies on fastpersist.save_api.save, fastpersist's original save and the vanilla save."""
     record = {"fastpersist": [], "original": [], "vanilla": []}
 
     def spy(key, func):
@@ -184,7 +184,7 @@ def test_env_switch_disables_fastpersist(unpatched, patched_module, calls, monke
 
 
 def test_missing_fastpersist_falls_back(unpatched, patched_module, calls, monkeypatch, tmp_path):
-    monkeypatch.setitem(sys.modules, "fastpersist.save", None)  # makes the import raise ImportError
+    monkeypatch.setitem(sys.modules, "fastpersist.save_api", None)  # makes the import raise ImportError
     obj = _tensors()
     path = tmp_path / "z.pt"
     patched_module.save(obj, path)
