@@ -61,7 +61,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import _common  # noqa: E402
+from fastpersist.bench import micro  # noqa: E402
 import models  # noqa: E402
 
 import fastpersist  # noqa: E402
@@ -126,7 +126,7 @@ class Trainer:
 
 class MemcpyReference:
     def __init__(self, checkpoint: dict):
-        self.sources = [torch.empty(0, dtype=torch.uint8).set_(s) for s in _common.distinct_storages(checkpoint)
+        self.sources = [torch.empty(0, dtype=torch.uint8).set_(s) for s in micro.distinct_storages(checkpoint)
                         if s.nbytes()]
         self.nbytes = sum(s.numel() for s in self.sources)
         self.memory = mmap.mmap(-1, max(self.nbytes, 1))
@@ -177,7 +177,7 @@ def train(trainer: Trainer, mode: str, steps: int, every: int, folder: str, late
         began = time.perf_counter()
         if mode == "torch.save":
             vanilla(checkpoint, path)
-            fd = os.open(path, os.O_RDONLY)  # as benchmarks/_common.vanilla_save: fsync to be comparable
+            fd = os.open(path, os.O_RDONLY)  # as benchmarks/micro.vanilla_save: fsync to be comparable
             try:
                 os.fsync(fd)
             finally:
@@ -322,7 +322,7 @@ def main(argv=None) -> None:
     checkpoint = trainer.checkpoint(0)
     reference = MemcpyReference(checkpoint)
     params = sum(p.numel() for p in model.parameters())
-    runner = _common.Runner(args.folder)
+    runner = micro.Runner(args.folder)
     threads = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     print(f"# torch {torch.__version__}; fastpersist {fastpersist.__version__}; model {args.model} "
           f"({config.note}): {params:,} params, {args.dtype}, {trainer.optimizer_kind}; checkpoint "

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-import _common  # noqa: E402
+from fastpersist.bench import micro  # noqa: E402
 
 MiB = 1 << 20
 
@@ -43,7 +43,7 @@ def main(argv=None) -> None:
                                          args.request_sizes.split(","))
         if float(r) <= float(b)
     ]
-    runner = _common.Runner(args.folder)
+    runner = micro.Runner(args.folder)
     print(f"# {args.engine}; tensor {nbytes / 1e9:.2f} GB; folder {runner.folder}; {args.repeats} rounds, medians")
     try:
         for _ in range(args.repeats):

@@ -16,28 +16,28 @@ import sys
 os.environ.setdefault("FASTPERSIST_AUTOPATCH", "0")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import _common  # noqa: E402
+from fastpersist.bench import micro  # noqa: E402
 from torch_save_model import build_checkpoint, describe, model_arguments  # noqa: E402
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model_arguments(parser)
-    _common.common_arguments(parser)
+    micro.common_arguments(parser)
     args = parser.parse_args(argv)
 
     from fastpersist.patching import original_save
 
     checkpoint, built = build_checkpoint(args)
-    engines = _common.usable_engines(args.engines)
-    runner = _common.Runner(args.folder)
+    engines = micro.usable_engines(args.engines)
+    runner = micro.Runner(args.folder)
     path = runner.path("checkpoint")
     original_save()(checkpoint, path)
     print(f"# {describe(args, checkpoint, built)} saved by torch.save; folder {runner.folder}; "
           f"{args.repeats} rounds, medians; cold page cache", flush=True)
     # The restart target is the same structure, already in memory and touched:
     # the model's own state dict (and optimizer state) as a job would rebuild it.
-    _common.run_load_rounds(runner, path, checkpoint, engines, args.repeats, vanilla=not args.no_vanilla)
+    micro.run_load_rounds(runner, path, checkpoint, engines, args.repeats, vanilla=not args.no_vanilla)
 
 
 if __name__ == "__main__":

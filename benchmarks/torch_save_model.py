@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-import _common  # noqa: E402
+from fastpersist.bench import micro  # noqa: E402
 import models  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -48,7 +48,7 @@ def adam_state(model: torch.nn.Module) -> dict:
 
 def storage_bytes(obj) -> int:
     """Bytes of distinct storages: what the checkpoint holds besides its pickle."""
-    return sum(s.nbytes() for s in _common.distinct_storages(obj))
+    return sum(s.nbytes() for s in micro.distinct_storages(obj))
 
 
 def model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,7 +92,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model_arguments(parser)
     parser.add_argument("--list", action="store_true", help="print the model registry with sizes and exit")
-    _common.common_arguments(parser)
+    micro.common_arguments(parser)
     args = parser.parse_args(argv)
 
     if args.list:
@@ -102,13 +102,13 @@ def main(argv=None) -> None:
     checkpoint, built = build_checkpoint(args)
 
     # The raw write repeats the largest tensor's storage (already touched).
-    source = max((t for t in _common.tensors_in(checkpoint) if t.is_contiguous() and t.storage_offset() == 0),
+    source = max((t for t in micro.tensors_in(checkpoint) if t.is_contiguous() and t.storage_offset() == 0),
                  key=lambda t: t.untyped_storage().nbytes())
-    engines = _common.usable_engines(args.engines)
-    runner = _common.Runner(args.folder)
+    engines = micro.usable_engines(args.engines)
+    runner = micro.Runner(args.folder)
     print(f"# {describe(args, checkpoint, built)}; folder {runner.folder}; {args.repeats} rounds, medians",
           flush=True)
-    _common.run_rounds(runner, checkpoint, source, engines, args.repeats, vanilla=not args.no_vanilla)
+    micro.run_rounds(runner, checkpoint, source, engines, args.repeats, vanilla=not args.no_vanilla)
 
 if __name__ == "__main__":
     main()

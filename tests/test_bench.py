@@ -263,3 +263,25 @@ def test_ratio_interval_from_order_statistics():
                                 common.Series("l", "m", times=[1.0, 2.0, 4.0]))
     assert few == (0.25, 1.0, 0.75)  # 3 rounds cannot reach 90%: the coverage says so
     assert common.ratio_interval(ceiling, common.Series("load", "one", times=[1.0])) is None
+
+
+@pytest.mark.parametrize("script", ["torch_save_tensor.py", "torch_load_tensor.py"])
+def test_micro_benchmark_scripts_run_on_the_one_harness(script, tmp_path):
+    """benchmarks/ scripts are thin users of fastpersist.bench.micro: one
+    round of a small tensor prints the FastPersist line for each mechanism."""
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, os.path.join(root, "benchmarks", script), "--size", "0.004",
+                          "--repeats", "1", "--engines", "psync", "--folder", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "FASTPERSIST_AUTOPATCH": "0"})
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stdout.splitlines() if " -- " in line]
+    names = [line.split(" -- ")[0] for line in lines]
+    expected = (["test_save", "fastpersist_save[psync]", "raw_engine_write[psync]"] if "save" in script else
+                ["torch_load", "torch_load_mmap", "fastpersist_load[psync]", "fastpersist_load_into[psync]",
+                 "raw_engine_read[psync]"])
+    assert names == expected, out.stdout
+    for line in lines:
+        assert re.match(r"\S+ -- 0\.00 GB, \d+\.\d\d secs, \d+\.\d\d GB/s", line), line

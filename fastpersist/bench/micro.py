@@ -1,4 +1,6 @@
-"""Shared by the save and load benchmarks: run mechanisms interleaved, report medians.
+"""The runner of the micro-benchmark scripts in benchmarks/ (after the
+FastPersist micro-benchmarks): run mechanisms interleaved, report medians.
+Built on fastpersist.bench.common, the harness `fastpersist bench` uses.
 
 Every mechanism runs once per round, in the same process and order, so
 machine noise hits them alike; the line printed per mechanism is the median
@@ -14,8 +16,8 @@ import tempfile
 import time
 from typing import Callable
 
-# one copy of what the installed `fastpersist bench` shares with these scripts
-from fastpersist.bench.common import distinct_storages, evict_from_page_cache, tensors_in, touch_all  # noqa: F401
+from .common import (BenchError, distinct_storages, evict_from_page_cache, raw_read,  # noqa: F401
+                     resolve_engines, tensors_in, touch_all)
 
 
 def common_arguments(parser: argparse.ArgumentParser) -> None:
@@ -115,20 +117,14 @@ def run_rounds(runner: Runner, obj, source, engines: list[str], repeats: int, va
 
 
 def usable_engines(selection: str) -> list[str]:
-    from fastpersist import _engine
+    """--engines: 'available' (every engine that starts here) or a list."""
     from fastpersist.options import Options
 
-    wanted = _engine.compiled_engines() if selection == "available" else selection.split(",")
-    usable = []
-    for kind in ("io_uring", "libaio", "psync"):
-        if kind not in wanted:
-            continue
-        try:
-            _engine.release(_engine.acquire(Options(engine=kind)))
-            usable.append(kind)
-        except OSError as exc:
-            print(f"# engine {kind} unusable here: {exc}")
-    return usable
+    try:
+        engines, _ = resolve_engines("all" if selection == "available" else selection, Options())
+    except BenchError as exc:
+        raise SystemExit(f"# {exc}") from None
+    return engines
 
 
 def vanilla_save(obj) -> Callable[[str], int]:
@@ -191,7 +187,6 @@ def run_load_rounds(runner: Runner, path: str, target, engines: list[str], repea
 
     import fastpersist
     import torch
-    from fastpersist.fileio import reading_engine
     from fastpersist.options import Options
     from fastpersist.patching import original_load
 
@@ -223,14 +218,9 @@ def run_load_rounds(runner: Runner, path: str, target, engines: list[str], repea
             return size
         return run
 
-    def raw_read(engine):
+    def raw_engine_read(engine):
         def run():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                with reading_engine(path, Options(engine=engine)) as (engine_, direct_fd):
-                    engine_.pread_into(direct_fd, fd, raw_tensor.data_ptr(), size, 0, path)
-            finally:
-                os.close(fd)
+            raw_read(path, raw_tensor.data_ptr(), size, Options(engine=engine))
             raw_floats.sum()
             return size
         return run
@@ -245,7 +235,7 @@ def run_load_rounds(runner: Runner, path: str, target, engines: list[str], repea
                 timed(f"fastpersist_load[{engine}]", load_with(fastpersist.load, weights_only=True))
                 fastpersist.unpatch()
                 timed(f"fastpersist_load_into[{engine}]", load_into(engine))
-                timed(f"raw_engine_read[{engine}]", raw_read(engine))
+                timed(f"raw_engine_read[{engine}]", raw_engine_read(engine))
         runner.report()
     finally:
         runner.close()
