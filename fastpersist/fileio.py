@@ -108,20 +108,29 @@ def _read_extents(engine: _engine.Engine, direct_fd: int, fd: int, path: str, ex
     return crcs
 
 
-def read_through_page_cache(fd: int, memory, nbytes: int, path: str) -> None:
-    """Reads the first nbytes of the file into memory (a writable buffer)
-    with plain reads, no engine; EOFError where the file ended early. For
-    small files, where taking a new engine costs more than the read."""
-    view = memoryview(memory)[:nbytes]
-    try:
-        done = 0
-        while done < nbytes:
-            got = os.preadv(fd, [view[done:]], done)
-            if got == 0:
-                raise EOFError(path)
-            done += got
-    finally:
-        view.release()
+def read_extents_through_page_cache(fd: int, path: str, extents, checksums: bool) -> dict:
+    """read_extents without an engine: plain preads through the page cache
+    into each (address, offset, nbytes) extent, {(offset, nbytes): crc} with
+    checksums, EOFError where the file ended early. For small files in a
+    process with no engine idle: creating one (locking and registering its
+    buffers) costs more than reading them."""
+    import ctypes
+
+    crcs = {}
+    for address, offset, nbytes in sorted({e for e in extents if e[2]}, key=lambda e: (e[1], e[2])):
+        view = memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B")
+        try:
+            done = 0
+            while done < nbytes:
+                got = os.preadv(fd, [view[done:]], offset + done)
+                if got == 0:
+                    raise EOFError(path)
+                done += got
+            if checksums:
+                crcs[offset, nbytes] = _engine.crc32(view)
+        finally:
+            view.release()
+    return crcs
 
 
 class _Prefault:

@@ -64,30 +64,58 @@ def engine_options(engine):
 
 
 def test_small_loads_read_without_an_engine_unless_one_is_idle(folder, monkeypatch):
-    from fastpersist import _engine
-    from fastpersist.load import _CheckpointImage
+    """load and load_into (with and without verify) of a file under
+    SMALL_LOAD_BYTES with no engine idle: plain reads, no engine made; with
+    one idle, or above the size, through an engine."""
+    from fastpersist import _engine, fileio
+    from fastpersist.options import current_options
 
+    load_module = sys.modules["fastpersist.load"]
     state = {"w": torch.randn(300, 300), "b": torch.arange(7), "step": 3}
     original_save()(state, folder / "s.pt")
     ways = []
-    for name in ("_read_without_engine", "read_all"):
-        real = getattr(_CheckpointImage, name)
-        monkeypatch.setattr(_CheckpointImage, name,
-                            lambda self, *a, _real=real, _name=name: (ways.append(_name), _real(self, *a))[1])
-    _engine.clear_pool()
-    same_as_torch(folder / "s.pt")
-    assert ways == ["read_all", "_read_without_engine"] and _engine.pool_size() == 0
-    from fastpersist.options import current_options
+    for module, name in ((load_module, "read_extents_through_page_cache"), (load_module, "read_extents")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **k: (ways.append(_name),
+                                                                                   _real(*a, **k))[1])
+    assert load_module.read_extents_through_page_cache is not fileio.read_extents_through_page_cache
 
+    def each_way():
+        same_as_torch(folder / "s.pt")
+        for verify in (False, True):
+            target = {"w": torch.zeros(300, 300), "b": torch.zeros(7, dtype=torch.long), "step": 0}
+            fastpersist.load_into(target, folder / "s.pt", verify=verify)
+            assert torch.equal(target["w"], state["w"]) and torch.equal(target["b"], state["b"])
+            assert target["step"] == 3
+
+    _engine.clear_pool()
+    each_way()
+    assert ways == ["read_extents_through_page_cache"] * 3 and _engine.pool_size() == 0
     _engine.release(_engine.acquire(current_options()))
     ways.clear()
-    same_as_torch(folder / "s.pt")
-    assert ways == ["read_all"] and _engine.pool_size() == 1  # the idle engine read it
-    monkeypatch.setattr(sys.modules["fastpersist.load"], "SMALL_LOAD_BYTES", 0)
+    each_way()
+    assert ways == ["read_extents"] * 3 and _engine.pool_size() == 1  # the idle engine read it
+    monkeypatch.setattr(load_module, "SMALL_LOAD_BYTES", 0)
     _engine.clear_pool()
     ways.clear()
-    same_as_torch(folder / "s.pt")
-    assert ways == ["read_all"] and _engine.pool_size() == 1  # at any size above it, an engine is made
+    each_way()
+    assert ways == ["read_extents"] * 3 and _engine.pool_size() == 1  # at any size above it, an engine is made
+
+
+def test_a_small_load_into_with_no_engine_verifies_and_refuses_a_corrupt_file(folder):
+    from fastpersist import _engine
+
+    path = folder / "s.pt"
+    original_save()({"w": torch.arange(1000, dtype=torch.float32)}, path)
+    data = bytearray(path.read_bytes())
+    at = data.index(torch.arange(1000, dtype=torch.float32).numpy().tobytes()[400:408])
+    data[at] ^= 0x10
+    path.write_bytes(bytes(data))
+    _engine.clear_pool()
+    target = {"w": torch.zeros(1000)}
+    with pytest.raises(fastpersist.CheckpointError, match="fails its CRC-32 check"):
+        fastpersist.load_into(target, path, verify=True)
+    assert _engine.pool_size() == 0
 
 
 def test_torch_save_to_fastpersist_load(folder, engine_options):
