@@ -924,3 +924,54 @@ int64_t fp_pread(struct fp_engine *e, int direct_fd, int buffered_fd, void *dst,
         return (int64_t)(e->read_eof > offset ? e->read_eof - offset : 0);
     return (int64_t)n;
 }
+
+/* fp_copy_many: each thread copies the bytes [lo, hi) of the items laid end
+ * to end. */
+struct copy_share {
+    const struct fp_copy *items;
+    size_t count;
+    uint64_t lo, hi;
+    pthread_t thread;
+};
+
+static void *copy_share_run(void *arg)
+{
+    struct copy_share *s = arg;
+    uint64_t at = 0; /* where item i starts, items laid end to end */
+    for (size_t i = 0; i < s->count && at < s->hi; at += s->items[i].n, i++) {
+        uint64_t a = at > s->lo ? at : s->lo;
+        uint64_t b = at + s->items[i].n < s->hi ? at + s->items[i].n : s->hi;
+        if (a < b)
+            memcpy((char *)s->items[i].dst + (a - at), (const char *)s->items[i].src + (a - at), (size_t)(b - a));
+    }
+    return NULL;
+}
+
+int fp_copy_many(const struct fp_copy *items, size_t count, int threads)
+{
+    if (threads < 1 || threads > 64)
+        return -EINVAL;
+    uint64_t total = 0;
+    for (size_t i = 0; i < count; i++)
+        total += items[i].n;
+    if (total < ((uint64_t)threads << 20)) /* under 1 MiB a thread: not worth starting one */
+        threads = 1;
+    struct copy_share shares[64];
+    uint64_t step = (total + (uint64_t)threads - 1) / (uint64_t)threads;
+    step = (step + 4095) & ~(uint64_t)4095; /* stretches end on page multiples of the total */
+    int started[64] = {0};
+    for (int t = 0; t < threads; t++) {
+        uint64_t lo = step * (uint64_t)t, hi = lo + step;
+        shares[t] = (struct copy_share){items, count, lo < total ? lo : total, hi < total ? hi : total, 0};
+        if (t > 0 && shares[t].lo < shares[t].hi)
+            started[t] = pthread_create(&shares[t].thread, NULL, copy_share_run, &shares[t]) == 0;
+    }
+    copy_share_run(&shares[0]);
+    for (int t = 1; t < threads; t++) {
+        if (started[t])
+            pthread_join(shares[t].thread, NULL);
+        else if (shares[t].lo < shares[t].hi)
+            copy_share_run(&shares[t]); /* no thread for it: done here */
+    }
+    return 0;
+}

@@ -159,4 +159,20 @@ uint32_t fp_crc32(uint32_t crc, const void *buf, size_t n);
  * CRCs of a record's pieces, computed apart (by several ranks), combine. */
 uint32_t fp_crc32_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
 
+/* One memory copy of fp_copy_many. */
+struct fp_copy {
+    const void *src;
+    void *dst;
+    size_t n;
+};
+/*
+ * Copies every item's n bytes from src to dst (no overlaps), the bytes
+ * shared among `threads` threads (1 to 64; the caller's is one of them) in
+ * contiguous stretches across the items, so one call moves many tensors
+ * with no per-item cost in the caller. A helper that cannot start leaves
+ * its stretch to the caller's thread. Returns 0, or -EINVAL for a bad
+ * thread count. (A snapshot of a checkpoint's tensors: save_async.)
+ */
+int fp_copy_many(const struct fp_copy *items, size_t count, int threads);
+
 #endif

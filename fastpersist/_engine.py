@@ -63,6 +63,24 @@ def crc32_combine(crc_a: int, crc_b: int, len_b: int) -> int:
     return lib.fp_crc32_combine(crc_a, crc_b, len_b)
 
 
+def copy_many(copies, threads: int = 1) -> None:
+    """Copies (source address, destination address, nbytes) items, non-overlapping,
+    in one C call that runs without the GIL, the bytes shared among `threads`
+    threads (fp_copy_many)."""
+    import array
+
+    lib, ffi = _load()
+    flat = array.array("Q")  # struct fp_copy is three 64-bit words on the 64-bit platforms built for
+    for item in copies:
+        flat.extend(item)
+    if not flat:
+        return
+    assert ffi.sizeof("struct fp_copy") == 3 * flat.itemsize
+    rc = lib.fp_copy_many(ffi.cast("struct fp_copy *", ffi.from_buffer(flat)), len(flat) // 3, threads)
+    if rc < 0:
+        raise OSError(-rc, f"fp_copy_many: {os.strerror(-rc)} (threads={threads})")
+
+
 class Engine:
     """One I/O context: a ring (or AIO context) and its bounce buffers."""
 

@@ -24,7 +24,7 @@ import threading
 import traceback
 from typing import Optional
 
-from . import _torch_api, torch_format
+from . import _engine, _torch_api, torch_format
 from . import release  # noqa: F401 - registers its exit hook before ours, so it runs after ours
 from .distributed import checkpoint_group, next_sequence, write_partitioned
 from .options import Options, current_options
@@ -305,8 +305,134 @@ def save_async(obj, f, pickle_module=pickle, pickle_protocol: int = _torch_api.D
 
 def _plan_and_snapshot(obj, path: str, opts: Options, pickle_module, pickle_protocol: int,
                        disable_byteorder_record: bool):
-    plan = torch_format.CheckpointPlan.for_path(obj, path, pickle_module, pickle_protocol, disable_byteorder_record)
-    return plan, _snapshot(plan, _writer.memory, _memory_limit(opts))
+    """The plan, with every storage copied into snapshot memory: the
+    caller's stall. The tensors found by walking obj's containers are copied
+    on a helper thread while torch pickles obj (each takes about as long:
+    0.07 s of copying and 0.01 s of pickling for 365 tensors of 1 GB here);
+    whatever the walk did not find (tensors inside other objects, a device
+    tensor's host copy) is copied after planning, as before."""
+    limit = _memory_limit(opts)
+    early = _EarlyCopy.start(obj, _writer.memory, limit)
+    try:
+        plan = torch_format.CheckpointPlan.for_path(obj, path, pickle_module, pickle_protocol,
+                                                    disable_byteorder_record)
+    except BaseException:
+        if early is not None:
+            _writer.memory.give_back(early.finish())
+        raise
+    if early is not None:
+        arena = early.finish()
+        if early.error is None and early.adopt(plan):
+            return plan, arena
+        _writer.memory.give_back(arena)  # something was not found: the whole snapshot after planning
+        if early.error is not None and not isinstance(early.error, Exception):
+            raise early.error
+    return plan, _snapshot(plan, _writer.memory, limit)
+
+
+class _HostCopy:
+    """A storage's copy in snapshot memory, as the plan's writers use it
+    (data_ptr, device); the job holds the arena until the file is written."""
+
+    __slots__ = ("address",)
+
+    def __init__(self, address: int):
+        self.address = address
+
+    def data_ptr(self) -> int:
+        return self.address
+
+    @property
+    def device(self):
+        import torch
+
+        return torch.device("cpu")
+
+
+def _cpu_storages_in(obj, budget: int = 1_000_000) -> dict:
+    """{(data_ptr, nbytes): storage} of the dense CPU tensors reachable
+    through obj's dicts, lists and tuples (a state dict, an optimizer's,
+    a checkpoint dict of them); others are left to the plan."""
+    import torch
+
+    found, seen, stack = {}, set(), [obj]
+    while stack and budget > 0:
+        budget -= 1
+        node = stack.pop()
+        if isinstance(node, torch.Tensor):
+            if node.device.type == "cpu" and node.layout == torch.strided and not node.is_quantized \
+                    and type(node) in (torch.Tensor, torch.nn.Parameter):
+                storage = node.untyped_storage()
+                if storage.nbytes():
+                    found.setdefault((storage.data_ptr(), storage.nbytes()), storage)
+        elif isinstance(node, (dict, list, tuple)) and id(node) not in seen:
+            seen.add(id(node))
+            stack.extend(node.values() if isinstance(node, dict) else node)
+    return found
+
+
+class _EarlyCopy:
+    """The copy of the storages _cpu_storages_in found, into one arena, by
+    fp_copy_many on a helper thread (without the GIL, so pickling goes on)."""
+
+    MIN_BYTES = 4 << 20  # below this the copy is done before planning, no thread
+
+    def __init__(self, storages: dict, arena: "_Arena"):
+        import torch
+
+        self.storages, self.arena, self.error = storages, arena, None
+        self.addresses, copies, offset = {}, [], 0
+        base = int(arena.bytes.data_ptr())
+        for key, storage in storages.items():
+            self.addresses[key] = base + offset
+            copies.append((key[0], base + offset, key[1]))
+            offset += -(-key[1] // _ALIGN) * _ALIGN
+        threads = max(1, min(8, torch.get_num_threads()))  # as many as copy_ would use
+        self.thread = None
+        if offset < self.MIN_BYTES:
+            self._copy(copies, threads)
+        else:
+            self.thread = threading.Thread(target=self._copy, args=(copies, threads), daemon=True,
+                                           name="fastpersist-snapshot")
+            self.thread.start()
+
+    @classmethod
+    def start(cls, obj, memory: "_SnapshotMemory", limit: int) -> Optional["_EarlyCopy"]:
+        storages = _cpu_storages_in(obj)
+        need = sum(-(-n // _ALIGN) * _ALIGN for _, n in storages)
+        if not need or need > limit:
+            return None  # nothing found, or more than the bound: the plan's snapshot says so
+        arena = memory.take(need, limit)
+        try:
+            return cls(storages, arena)
+        except BaseException:
+            memory.give_back(arena)
+            raise
+
+    def _copy(self, copies: list, threads: int) -> None:
+        try:
+            _engine.copy_many(copies, threads)
+        except BaseException as exc:  # noqa: BLE001 - raised by finish()
+            self.error = exc
+
+    def finish(self) -> "_Arena":
+        """Waits for the copy; returns the arena (its copies are valid only
+        where error is None)."""
+        if self.thread is not None:
+            self.thread.join()
+        return self.arena
+
+    def adopt(self, plan: torch_format.CheckpointPlan) -> bool:
+        """Points each of the plan's storage records at its copy; False
+        (nothing changed) where a record has none."""
+        records = [r for r in plan.records if r.source.storage is not None and r.source.nbytes]
+        keys = [(r.source.storage.data_ptr(), r.source.nbytes) for r in records]
+        if any(key not in self.addresses for key in keys):
+            return False
+        for r, key in zip(records, keys):
+            r.source.storage = _HostCopy(self.addresses[key])
+        self.storages = None  # the copies stand in for them now
+        return True
 
 
 def _submit(job: _Job) -> SaveHandle:

@@ -466,3 +466,30 @@ def test_crc32_combine_matches_the_crc_of_the_concatenation(sizes):
     pieces = [PAYLOAD[:sizes[0]].tobytes(), PAYLOAD[-sizes[1]:].tobytes() if sizes[1] else b""]
     combined = _engine.crc32_combine(zlib.crc32(pieces[0]), zlib.crc32(pieces[1]), len(pieces[1]))
     assert combined == zlib.crc32(pieces[0] + pieces[1])
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 64])
+def test_copy_many_copies_every_item_exactly(threads):
+    """fp_copy_many: items of many sizes (0, 1, odd, several MiB) laid end to
+    end and shared among threads across item boundaries; every byte where
+    it belongs and none outside."""
+    rng = np.random.default_rng(threads)
+    sizes = [0, 1, 4095, 4097, 3 << 20, 17, 5 << 20, 1 << 20, 123457]
+    sources = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    target = np.zeros(sum(sizes) + 64 * len(sizes), dtype=np.uint8)
+    copies, at = [], 0
+    for src in sources:
+        copies.append((src.ctypes.data, target.ctypes.data + at, src.size))
+        at += src.size + 64
+    _engine.copy_many(copies, threads)
+    at = 0
+    for src in sources:
+        assert np.array_equal(target[at:at + src.size], src)
+        assert not target[at + src.size:at + src.size + 64].any()
+        at += src.size + 64
+
+
+def test_copy_many_refuses_a_bad_thread_count():
+    with pytest.raises(OSError, match="threads=65"):
+        _engine.copy_many([(1, 2, 3)], 65)
+    _engine.copy_many([], 0)  # nothing to copy: nothing checked

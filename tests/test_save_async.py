@@ -224,3 +224,55 @@ def test_failed_saves_keep_no_engine_or_snapshot_alive(folder, monkeypatch):
     assert engines() <= before  # the stored errors' tracebacks hold no engine
     memory = async_save._writer.memory
     assert sum(a.size for a in memory.free) == memory.total  # every snapshot arena came back
+
+
+class _Holder:
+    """A tensor inside an object the container walk does not open."""
+
+    def __init__(self, t):
+        self.t = t
+
+
+def test_the_copy_overlaps_planning_and_covers_every_layout(folder, monkeypatch):
+    """Tensors the container walk finds are copied during the pickling (no
+    snapshot after planning); tied tensors, views at offsets, a Parameter,
+    bf16 and empty tensors keep their bytes; mutating right after return
+    changes nothing; a file equal to a synchronous save's."""
+    after_planning = []
+    real = async_save._snapshot
+    monkeypatch.setattr(async_save, "_snapshot", lambda *a: (after_planning.append(1), real(*a))[1])
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(3_000_000, generator=g)
+    obj = {"w": base, "view": base[1000:2000], "tied": base, "p": torch.nn.Parameter(torch.randn(77, generator=g)),
+           "bf": torch.randn(5000, generator=g).bfloat16(), "empty": torch.zeros(0), "list": [torch.arange(9), (7,)],
+           "step": 3}
+    expected = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in obj.items() if k != "list"}
+    handle = fastpersist.save_async(obj, folder / "a.pt")
+    base.zero_()
+    obj["p"].data.zero_()
+    obj["bf"].zero_()
+    obj["list"][0].zero_()
+    handle.wait()
+    assert after_planning == []  # all found and copied by the early copy
+    loaded = vanilla_load(folder / "a.pt")
+    for key, value in expected.items():
+        assert torch.equal(loaded[key], value) if isinstance(value, torch.Tensor) else loaded[key] == value, key
+    assert torch.equal(loaded["list"][0], torch.arange(9))
+    assert loaded["view"].untyped_storage().data_ptr() == loaded["w"].untyped_storage().data_ptr()  # still tied
+
+
+def test_tensors_the_walk_cannot_see_are_snapshotted_after_planning(folder, monkeypatch):
+    after_planning = []
+    real = async_save._snapshot
+    monkeypatch.setattr(async_save, "_snapshot", lambda *a: (after_planning.append(1), real(*a))[1])
+    obj = {"seen": torch.arange(2_000_000, dtype=torch.float32), "hidden": _Holder(torch.arange(5.0))}
+    handle = fastpersist.save_async(obj, folder / "h.pt")
+    obj["seen"].zero_()
+    obj["hidden"].t.zero_()
+    handle.wait()
+    assert after_planning == [1]
+    loaded = torch.load(folder / "h.pt", weights_only=False)
+    assert torch.equal(loaded["seen"], torch.arange(2_000_000, dtype=torch.float32))
+    assert torch.equal(loaded["hidden"].t, torch.arange(5.0))
+    async_save.wait_for_all()
+    assert all(a.size for a in async_save._writer.memory.free)  # the early arena went back to the pool
