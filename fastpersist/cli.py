@@ -251,6 +251,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             from .bench import sweep as module
         elif command == "restart":
             from .bench import restart as module
+        elif command == "small":
+            from .bench import small as module
         else:
             from .bench import default as module
         return module.run(args)
@@ -345,7 +347,7 @@ def _add_bench_parser(commands) -> None:
         description="Measure fastpersist on this machine's disk: save to a new file and over an existing one, "
                     "load in a fresh process and in the same one, load_into, each against vanilla torch and "
                     "the raw engine, on a ~2 GB model with random weights. 'sweep' tunes the engine "
-                    "options; 'restart' characterises LLM restarts.")
+                    "options; 'restart' characterises LLM restarts; 'small' runs the default rows at small sizes.")
     bench.add_argument("--size", type=_positive_float, default=2.0, metavar="GB",
                        help="checkpoint size in GB (10^9 bytes): a GPT-2-shaped model with as many layers as "
                             "come closest (default: 2)")
@@ -356,7 +358,7 @@ def _add_bench_parser(commands) -> None:
                             "(default: auto)")
     _common_bench_arguments(bench, repeats=7)
     bench.set_defaults(func=_cmd_bench, bench_command=None)
-    kinds = bench.add_subparsers(dest="bench_command", metavar="{sweep,restart}")
+    kinds = bench.add_subparsers(dest="bench_command", metavar="{sweep,restart,small}")
 
     sweep = kinds.add_parser(
         "sweep", help="buffer size x buffers x queue depth x engine (x file size): GB/s, CSV and a plot",
@@ -401,6 +403,24 @@ def _add_bench_parser(commands) -> None:
                          help="PNG plot of the times (default: fastpersist-restart.png)")
     _common_bench_arguments(restart, repeats=3)
     restart.set_defaults(func=_cmd_bench)
+
+    small = kinds.add_parser(
+        "small", help="the default save and load rows at 1 MB to 500 MB: a table and a plot against size",
+        description="Run the default benchmark's rows (saves to a new file and over an existing one, loads in "
+                    "a fresh process and in the same one, load_into; vanilla torch and the raw engine beside "
+                    "them) at each size, where fixed costs decide, and plot fastpersist's speed relative to "
+                    "vanilla torch and to the raw engine against checkpoint size.")
+    small.add_argument("--sizes", type=_list_of(_positive_float, "sizes in GB"),
+                       default=[0.001, 0.01, 0.05, 0.1, 0.5], metavar="GB,...",
+                       help="checkpoint sizes in GB (default: 0.001,0.01,0.05,0.1,0.5)")
+    small.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                       help="parameter dtype (default: float32)")
+    small.add_argument("--engines", type=_engines_argument, default="auto",
+                       help="auto, all, or a list such as io_uring,libaio (default: auto)")
+    small.add_argument("--plot", metavar="PATH", default="fastpersist-small.png",
+                       help="PNG plot of the ratios against size (default: fastpersist-small.png)")
+    _common_bench_arguments(small, repeats=7)
+    small.set_defaults(func=_cmd_bench)
 
 
 # ---------------------------------------------------------------------------

@@ -39,6 +39,23 @@ def only_outputs_left(folder, names):
     assert sorted(os.listdir(folder)) == sorted(names)
 
 
+def test_small_bench_runs_the_default_rows_at_each_size_and_plots_them(tmp_path):
+    plot, table = tmp_path / "s.png", tmp_path / "s.csv"
+    out = run_bench("small", "--sizes", "0.001,0.003", "--repeats", "1", "--cache-drop", "file",
+                    "--folder", str(tmp_path), "--plot", str(plot), "--csv", str(table))
+    assert "x vanilla" in out.stdout and "x ceiling" in out.stdout and "tiny GPT-2" in out.stdout
+    assert plot.read_bytes().startswith(PNG_SIGNATURE)
+    rows = read_csv(table)
+    assert sorted({r["size_gb"] for r in rows}) == ["0.001", "0.003"]
+    for size in ("0.001", "0.003"):
+        mechanisms = {(r["operation"], r["mechanism"]) for r in rows if r["size_gb"] == size}
+        assert ("load, fresh process", "fastpersist.load") in mechanisms
+        assert ("save, new file", "raw engine write (ceiling)") in mechanisms
+    assert all(float(r["x_vanilla"]) > 0 for r in rows if r["x_vanilla"])
+    assert 0.5e6 < min(int(r["file_bytes"]) for r in rows) < 1.5e6  # 1 MB is reachable
+    only_outputs_left(tmp_path, ["s.png", "s.csv"])
+
+
 def test_default_bench(tmp_path):
     out = run_bench("--size", "0.01", "--repeats", "1", "--cache-drop", "file", "--folder", str(tmp_path),
                     "--json", str(tmp_path / "r.json"), "--csv", str(tmp_path / "r.csv"))

@@ -57,6 +57,8 @@ def _ladder():
         ("GPT-2 small", models.CONFIGS["gpt2"]),
         ("narrow GPT-2", models.ModelConfig("gpt2", 256, 4, 4, 8192, 1024, max_positions=256, tie_embeddings=True,
                                             note="GPT-2 layout narrowed for tiny sizes")),
+        ("tiny GPT-2", models.ModelConfig("gpt2", 64, 4, 4, 2048, 256, max_positions=128, tie_embeddings=True,
+                                          note="GPT-2 layout narrowed for 1 MB checkpoints")),
     ]
 
 
