@@ -249,6 +249,8 @@ def remove_stale_temporaries(folder: str) -> list:
         return []
     removed = []
     for name in names:
+        if name[:1] != "." or ".fastpersist-" not in name:  # most names: a step-numbered folder holds many
+            continue
         path = os.path.join(folder, name)
         if release.TRASH_NAME.match(name):
             if _release_stale_trash(path):
