@@ -3,6 +3,8 @@
 #   make bench   `fastpersist bench`: save and load of a ~2 GB model against vanilla torch and the raw
 #                engine, in a temporary folder under the current one (BENCH_ARGS=... passes options)
 #   make test    the test suite
+#   make wheel   a wheel in dist/ that carries its engines (liburing and libaio linked from their
+#                static archives; ISA-L loaded at run time where installed): pip install it anywhere
 #   make sanitize  the C engine built with ASan and UBSan into build/sanitize/
 #                and the engine, save, fault and temporary-file tests run against it (tests/run_sanitized.sh);
 #                the in-place build is neither rebuilt nor used; then the C tests in tests/native/
@@ -14,7 +16,7 @@ DEBS := build-essential liburing-dev libaio-dev libisal-dev zlib1g-dev e2fsprogs
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 BENCH_ARGS ?=
 
-.PHONY: deps build bench bench-model test sanitize clean
+.PHONY: deps build wheel bench bench-model test sanitize clean
 
 deps:
 	@missing=""; for p in $(DEBS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -29,6 +31,10 @@ deps:
 
 build: deps
 	$(PIP) install -q --no-build-isolation -e .
+
+wheel: deps
+	$(PIP) wheel -q --no-deps --no-build-isolation -w dist .
+	@ls dist/fastpersist-*.whl
 
 # the same command as the `fastpersist` console script, with this interpreter
 bench: build
@@ -48,4 +54,4 @@ sanitize: deps
 	PYTHON=$(PYTHON) bash tests/run_native.sh
 
 clean:
-	rm -rf build *.egg-info fastpersist/_engine_cffi.* fastpersist/*.so
+	rm -rf build dist *.egg-info fastpersist/_engine_cffi.* fastpersist/*.so

@@ -13,11 +13,8 @@
 #include "fp_engine_internal.h"
 
 
-#ifdef FP_HAVE_ISAL
-#include <isa-l/crc.h>
-#else
+#include <dlfcn.h>
 #include <zlib.h>
-#endif
 
 /* Copy granularity of fp_stream_write: small enough that the CRC reads the
  * bytes back from cache right after memcpy wrote them. */
@@ -26,13 +23,33 @@
 static uint64_t align_down(uint64_t x) { return x & ~(uint64_t)(FP_ALIGN - 1); }
 static uint64_t align_up(uint64_t x) { return align_down(x + FP_ALIGN - 1); }
 
+/* CRC-32: ISA-L's PCLMUL implementation where libisal.so.2 is installed,
+ * loaded at run time (never a build or install dependency), zlib's else. */
+typedef uint32_t (*isal_crc32_fn)(uint32_t, const unsigned char *, uint64_t);
+static isal_crc32_fn isal_crc32;
+static pthread_once_t crc_once = PTHREAD_ONCE_INIT;
+
+static void crc_resolve(void)
+{
+    if (getenv("FASTPERSIST_NO_ISAL")) /* tests: the zlib path on a machine with ISA-L */
+        return;
+    void *lib = dlopen("libisal.so.2", RTLD_NOW | RTLD_LOCAL);
+    if (lib)
+        isal_crc32 = (isal_crc32_fn)dlsym(lib, "crc32_gzip_refl");
+}
+
+int fp_crc32_isal(void)
+{
+    pthread_once(&crc_once, crc_resolve);
+    return isal_crc32 != NULL;
+}
+
 uint32_t fp_crc32(uint32_t crc, const void *buf, size_t n)
 {
-#ifdef FP_HAVE_ISAL
-    return crc32_gzip_refl(crc, (const unsigned char *)buf, n);
-#else
+    pthread_once(&crc_once, crc_resolve);
+    if (isal_crc32)
+        return isal_crc32(crc, (const unsigned char *)buf, n);
     return (uint32_t)crc32_z(crc, (const unsigned char *)buf, n);
-#endif
 }
 
 /* CRC-32 combination. A CRC is a remainder modulo the CRC polynomial P, so

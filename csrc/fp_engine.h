@@ -153,8 +153,11 @@ struct fp_extent {
 int64_t fp_read_extents(struct fp_engine *e, int direct_fd, int buffered_fd,
                         const struct fp_extent *extents, size_t count, uint32_t *crcs);
 
-/* CRC-32 as zlib computes it, with the fastest implementation built in. */
+/* CRC-32 as zlib computes it, with the fastest implementation installed. */
 uint32_t fp_crc32(uint32_t crc, const void *buf, size_t n);
+/* 1 where fp_crc32 runs ISA-L's CRC (libisal.so.2, loaded at run time), 0
+ * where it runs zlib's. */
+int fp_crc32_isal(void);
 /* The CRC-32 of A followed by B, from crc_a, crc_b and B's length: how the
  * CRCs of a record's pieces, computed apart (by several ranks), combine. */
 uint32_t fp_crc32_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);

@@ -50,6 +50,12 @@ def compiled_engines() -> list[str]:
     return [name for name, kind in _KINDS.items() if lib.fp_kind_compiled(kind)]
 
 
+def crc32_implementation() -> str:
+    """Which CRC-32 fp_crc32 runs: ISA-L's (libisal.so.2, loaded at run time) or zlib's."""
+    lib, _ = _load()
+    return "ISA-L (libisal.so.2)" if lib.fp_crc32_isal() else "zlib (libisal2 not installed)"
+
+
 def crc32(data, crc: int = 0) -> int:
     """zlib-compatible CRC-32 of a bytes-like object, with the engine's CRC."""
     lib, ffi = _load()
@@ -258,7 +264,12 @@ def _resolve_auto(options: Options) -> Engine:
             failures.append(f"{kind}: {os.strerror(exc.errno)}")
             continue
         if failures:
-            log.info("fastpersist: using the %s engine (%s)", kind, "; ".join(failures))
+            # an engine the build left out is a lasting loss, said louder than a kernel's refusal
+            level = logging.WARNING if any("not compiled in" in f for f in failures) else logging.INFO
+            log.log(level, "fastpersist: using the %s engine (%s)%s", kind, "; ".join(failures),
+                    "; this build has no io_uring or libaio engine: install liburing-dev and libaio-dev, "
+                    "then reinstall fastpersist, for saves and loads at the device's speed"
+                    if level == logging.WARNING else "")
         _auto_kind = kind
         return engine
     raise OSError(errno.ENOSYS, "no fastpersist engine could start: " + "; ".join(failures))

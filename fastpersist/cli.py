@@ -79,6 +79,11 @@ def _engine_probe(options) -> dict:
         result["error"] = str(exc)
         return result
     result["compiled"] = compiled
+    result["missing"] = [kind for kind in _engine._AUTO_ORDER if kind not in compiled]
+    result["crc32"] = _engine.crc32_implementation()
+    maps = _read_text("/proc/self/maps") or ""
+    result["linked"] = {kind: ("shared library" if f"/lib{name}.so" in maps else "built in")
+                        for kind, name in (("io_uring", "uring"), ("libaio", "aio")) if kind in compiled}
     started = set()
     for kind in compiled:
         try:
@@ -138,6 +143,9 @@ def gather_info(folder: str) -> dict:
         "cffi_version": cffi.__version__,
         "kernel_release": os.uname().release,
         "engines_compiled": engines["compiled"],
+        "engines_missing": engines.get("missing"),
+        "engines_linked": engines.get("linked"),
+        "crc32": engines.get("crc32"),
         "engine_error": engines["error"],
         "engines_start": engines["start"],
         "io_uring_disabled": _read_text("/proc/sys/kernel/io_uring_disabled"),
@@ -189,6 +197,13 @@ def format_info(info: dict) -> list[str]:
         rows.append(("engines compiled", f"unavailable ({info['engine_error']})"))
     else:
         rows.append(("engines compiled", ", ".join(info["engines_compiled"]) or "none"))
+        for kind, how in (info.get("engines_linked") or {}).items():
+            rows.append((f"{kind} library", how))
+        if info.get("engines_missing"):
+            rows.append(("engines missing", ", ".join(info["engines_missing"]) + " (not in this build: install "
+                         "liburing-dev and libaio-dev and reinstall fastpersist; without them saves and loads "
+                         "run on the slower engines)"))
+        rows.append(("crc32", info.get("crc32") or "unknown"))
         for kind, state in info["engines_start"].items():
             rows.append((f"engine {kind}", state))
     if info["io_uring_disabled"] is not None:

@@ -16,7 +16,7 @@ IFS='|' read -r SOURCES MACROS LIBS < <(cd csrc && "$PYTHON" -c '
 import build_engine as b
 print(" ".join("csrc/" + s for s in b.sources),
       " ".join(f"-D{m}={v}" for m, v in b.macros),
-      " ".join("-l" + l for l in b.libraries), sep="|")')
+      " ".join(b.static_archives + ["-l" + l for l in b.libraries]), sep="|")')
 FLAGS="-fsanitize=thread -fno-omit-frame-pointer -g -O1 -std=gnu11 -Wall -Wextra -Wno-unused-parameter"
 status=0
 for test in tests/native/test_*.c; do

@@ -1,6 +1,8 @@
 """The C engine through its binding: real files, every engine, awkward sizes and offsets."""
 import errno
 import os
+import subprocess
+import sys
 import zlib
 
 import numpy as np
@@ -493,3 +495,25 @@ def test_copy_many_refuses_a_bad_thread_count():
     with pytest.raises(OSError, match="threads=65"):
         _engine.copy_many([(1, 2, 3)], 65)
     _engine.copy_many([], 0)  # nothing to copy: nothing checked
+
+
+def test_crc32_is_zlibs_with_isal_loaded_at_run_time_and_without():
+    """fp_crc32 loads ISA-L (libisal.so.2) at run time where it is installed
+    and runs zlib's CRC otherwise (FASTPERSIST_NO_ISAL=1 forces that here):
+    the same values either way, and `crc32_implementation` says which."""
+    script = ("import zlib, os\n"
+              "from fastpersist import _engine\n"
+              "data = os.urandom(3 << 20)\n"
+              "assert _engine.crc32(data) == zlib.crc32(data)\n"
+              "assert _engine.crc32(data[1000:], _engine.crc32(data[:1000])) == zlib.crc32(data)\n"
+              "print(_engine.crc32_implementation())\n")
+    seen = []
+    for env in ({}, {"FASTPERSIST_NO_ISAL": "1"}):
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "FASTPERSIST_AUTOPATCH": "0", **env})
+        assert out.returncode == 0, out.stderr
+        seen.append(out.stdout.strip())
+    assert seen[1].startswith("zlib")
+    import ctypes.util
+    if ctypes.util.find_library("isal"):
+        assert seen[0].startswith("ISA-L")
