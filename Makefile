@@ -12,7 +12,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 TORCH_VERSION ?= 2.13.0
-DEBS := build-essential liburing-dev libaio-dev libisal-dev zlib1g-dev e2fsprogs libcap2-bin mount
+DEBS := build-essential liburing-dev libaio-dev libisal2 zlib1g-dev e2fsprogs libcap2-bin mount
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 BENCH_ARGS ?=
 
