@@ -200,10 +200,7 @@ class _CheckpointImage:
             # processes; 1.27-1.68x paired). MADV_HUGEPAGE instead made no
             # difference there (0.047 s against 0.048 s, 5 rounds).
             with prefaulting(extents) if fresh else contextlib.nullcontext():
-                if self.small_without_engine():
-                    read_extents_through_page_cache(self.fd, self.path, extents, checksums=False)
-                else:
-                    self._read_through_engine(extents)
+                self.read_extents(extents, checksums=False)
         except BaseException as exc:
             _freed_images.give_back(memory)
             if isinstance(exc, EOFError):
@@ -226,24 +223,22 @@ class _CheckpointImage:
                 os.posix_fadvise(self.fd, r.header_offset, 4096, os.POSIX_FADV_WILLNEED)
         self.index.resolve(self.read_at)  # lenient: a record torch would refuse raises where it is used
 
-    def _read_through_engine(self, extents: list) -> None:
-        # Through the engine's registered buffers, copied out on the engine's
-        # helper thread, not O_DIRECT straight into the mapping: the device's
-        # DMA then lands in a few physically contiguous buffers instead of the
-        # mapping's scattered pages (on a virtio disk here, straight-in reads
-        # ran at 0.57x into fragmented memory). A 2 GB load: 1.24x faster in a
-        # fresh process, 1.20x in one that loads repeatedly.
+    def read_extents(self, extents: list, checksums: bool) -> dict:
+        """Reads (address, offset, nbytes) extents of the file (fileio.read_extents'
+        contract). A small file with no engine idle goes through the page
+        cache: creating an engine locks and registers its buffers (64 MiB by
+        default), which cost 10-140 ms here, more than reading a small file
+        takes (a 50 MB load in a fresh process took 0.17-0.21 s through a new
+        engine and 0.044-0.049 s this way, 3 rounds each). Otherwise through
+        the engine's registered buffers, copied out on its helper thread, not
+        O_DIRECT straight into the destination: the device's DMA then lands in
+        a few physically contiguous buffers instead of scattered pages (on a
+        virtio disk here, straight-in reads ran at 0.57x into fragmented
+        memory; a 2 GB load was 1.24x faster this way in a fresh process)."""
+        if self.size < SMALL_LOAD_BYTES and not _engine.has_idle(self.options):
+            return read_extents_through_page_cache(self.fd, self.path, extents, checksums)
         with reading_engine(self.path, self.options) as (engine, direct_fd):
-            read_extents(engine, direct_fd, self.fd, self.path, extents, checksums=False)
-
-    def small_without_engine(self) -> bool:
-        """Whether to read through the page cache, without an engine: a small
-        file with no engine idle. Creating an engine locks and registers its
-        buffers (64 MiB by default), which cost 10-140 ms here, more than
-        reading a small file takes: a 50 MB load in a fresh process took
-        0.17-0.21 s through a new engine and 0.044-0.049 s this way (3 rounds
-        each)."""
-        return self.size < SMALL_LOAD_BYTES and not _engine.has_idle(self.options)
+            return read_extents(engine, direct_fd, self.fd, self.path, extents, checksums)
 
     def read_at(self, offset: int, n: int) -> bytes:
         if self.view is None:
@@ -634,10 +629,7 @@ class _Plan:
         with checksums."""
         try:
             with prefaulting(extents):
-                if image.small_without_engine():
-                    return read_extents_through_page_cache(image.fd, image.path, extents, checksums)
-                with reading_engine(image.path, image.options) as (engine, direct_fd):
-                    return read_extents(engine, direct_fd, image.fd, image.path, extents, checksums)
+                return image.read_extents(extents, checksums)
         except EOFError:
             raise CheckpointError(f"{image.path}: the file ended early while reading tensors "
                                   "(did it shrink while being read?)") from None
@@ -659,7 +651,8 @@ class _Plan:
 def _file_byte_order(image: _CheckpointImage) -> str:
     if "byteorder" not in image.index.records:
         return "little"  # torch's default for files without the record
-    return TorchArchiveReader(image.index, image.read_at, source=image.path).get_record("byteorder").decode("ascii", "replace")
+    reader = TorchArchiveReader(image.index, image.read_at, source=image.path)
+    return reader.get_record("byteorder").decode("ascii", "replace")
 
 
 def _plan(image: _CheckpointImage, stored: dict, target: dict, strict: bool, is_module: bool,
