@@ -401,6 +401,11 @@ def _parse_cxx_version(text: bytes):
 class RecordEntry:
     """One record of an archive, as its central directory describes it."""
 
+    # slots: an archive has a record per tensor, and every object a load keeps
+    # alive counts towards the interpreter's next full garbage collection
+    __slots__ = ("name", "header_offset", "size", "crc", "compressed", "full_name", "compressed_size", "method",
+                 "flags", "directory", "stat_problem", "_data_offset", "_problem")
+
     def __init__(self, name: str, header_offset: int, size: int, crc: int, compressed: bool, *,
                  full_name: bytes = b"", compressed_size: Optional[int] = None, method: Optional[int] = None,
                  flags: int = 0, directory: bool = False, stat_problem: str = ""):
@@ -466,7 +471,13 @@ class ArchiveIndex:
         self._sorted_keys: list[bytes] = []
         self._records: dict[int, RecordEntry] = {}
         self.listed: list[str] = []  # what torch's get_all_records returns
-        self.records = _Records(self)
+
+    @property
+    def records(self) -> "_Records":
+        """The records by name (a view made on each use: held by the index,
+        it would make a reference cycle that keeps every index alive until
+        the next garbage collection)."""
+        return _Records(self)
 
     def _error(self, message: str) -> CheckpointError:
         return CheckpointError(f"{self.path}: {message}")
