@@ -443,7 +443,7 @@ class RecordEntry:
 class _CentralEntry:
     """The fields of one central directory header that torch's reader uses."""
 
-    __slots__ = ("index", "position", "name", "flags", "method_and_time", "crc", "external_attr",
+    __slots__ = ("index", "position", "name", "flags", "method", "crc", "external_attr",
                  "header_offset", "size", "compressed_size", "stat_problem")
 
 
@@ -611,7 +611,7 @@ class ArchiveIndex:
                 raise self._error(f"{where} runs past the end of the central directory")
             e = _CentralEntry()
             e.index, e.position, e.name, e.flags, e.crc = i, cd_offset + pos, name, flags, crc
-            e.method_and_time = (method, time)
+            e.method = method
             e.external_attr = external_attr
             self._describe(e, cd[pos:pos + total], where)
             self._entries.append(e)
@@ -736,7 +736,7 @@ class ArchiveIndex:
         if r is None:
             e = self._entries[i]
             short = e.name[len(self._prefix_bytes):].decode("utf-8", "replace")
-            method = e.method_and_time[0]
+            method = e.method
             r = RecordEntry(short, e.header_offset, e.size, e.crc, method != 0, full_name=e.name,
                             compressed_size=e.compressed_size, method=method, flags=e.flags,
                             directory=e.name.endswith(b"/") or bool(e.external_attr & _DOS_DIRECTORY),
@@ -853,7 +853,7 @@ class ArchiveIndex:
 
     @property
     def has_compressed_records(self) -> bool:
-        return any(e.method_and_time[0] != 0 for e in self._entries)
+        return any(e.method != 0 for e in self._entries)
 
     @property
     def has_checksums(self) -> bool:
