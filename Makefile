@@ -28,6 +28,8 @@ deps:
 	@$(PYTHON) -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$(TORCH_VERSION)')" 2>/dev/null \
 		|| $(PIP) install -q torch==$(TORCH_VERSION)
 	$(PIP) install -q "cffi>=1.15" "setuptools>=64" wheel "pytest>=7" numpy hypothesis tqdm matplotlib pytest-benchmark
+	@# the frameworks the integrations' tests run for real; torch is already there, so none pulls CUDA
+	$(PIP) install -q "lightning>=2.1"
 
 build: deps
 	$(PIP) install -q --no-build-isolation -e .

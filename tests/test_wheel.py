@@ -26,13 +26,20 @@ def wheel_module(tmp_path_factory):
     if not static_archive("uring") or not static_archive("aio"):
         pytest.skip("needs liburing.a and libaio.a (liburing-dev, libaio-dev): `make deps` installs them")
     out = tmp_path_factory.mktemp("wheel")
+    # from a copy of the source tree without its build outputs, so the module is compiled now
+    source = out / "src"
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns("build", "dist", "*.so", "*.o", "*.egg-info",
+                                                                 "__pycache__", ".git", ".fastpersist-bench-*"))
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                            "-w", str(out / "dist"), REPO], capture_output=True, text=True, timeout=600,
+                            "-w", str(out / "dist"), str(source)], capture_output=True, text=True, timeout=600,
                            cwd=str(out))
     assert build.returncode == 0, build.stderr
     wheels = list((out / "dist").glob("fastpersist-*.whl"))
     assert len(wheels) == 1
     with zipfile.ZipFile(wheels[0]) as z:
+        for module in ("fastpersist/integrations/lightning.py", "fastpersist/bench/small.py",
+                       "fastpersist/save_api.py"):
+            assert module in z.namelist(), module  # every package of the source tree is in the wheel
         names = [n for n in z.namelist() if "_engine_cffi" in n and n.endswith(".so")]
         assert len(names) == 1, z.namelist()
         z.extract(names[0], out / "unpacked")
