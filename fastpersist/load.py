@@ -305,10 +305,13 @@ class _FreedImages:
 
     A result's finalizer runs wherever a garbage collection happens to
     free it, including inside this pool's own locked code on the same
-    thread; so it never takes a lock (an Event's included): it hands the
-    memory over through a SimpleQueue, whose put is safe in such callbacks,
-    and the pool's keeper thread, or the next take(), files it under the
-    lock."""
+    thread; so it never takes a lock (an Event's included): it appends the
+    mapping to a list (atomic, no lock) and rings the keeper thread through
+    a SimpleQueue, whose put is safe in such callbacks. The mapping stays in
+    that list until whoever holds the lock next (the keeper, take(), kept())
+    files it: it is never in a thread's hands alone, where a look at the
+    pool would miss it (as when the keeper took it off a queue and had not
+    yet filed it)."""
 
     KEEP = 2
     MIN_AVAILABLE_FRACTION = 8  # keep nothing while less than 1/8 of memory is available
@@ -316,12 +319,14 @@ class _FreedImages:
     def __init__(self):
         self.lock = threading.Lock()
         self.free: list = []  # [(mapping, monotonic time it was freed)], most recently freed last
-        self.returned: queue.SimpleQueue = queue.SimpleQueue()  # mappings of dead results, not yet filed
+        self.returned: list = []  # mappings of dead results, not yet filed
+        self.doorbell: queue.SimpleQueue = queue.SimpleQueue()  # wakes the keeper; carries nothing
         self.keeper: Optional[threading.Thread] = None
 
     def result_died(self, memory: _mmap.mmap) -> None:
-        """A result's finalizer: a SimpleQueue put, nothing else."""
-        self.returned.put(memory)
+        """A result's finalizer: a list append and a SimpleQueue put, nothing else."""
+        self.returned.append(memory)
+        self.doorbell.put(None)
 
     def take(self, length: int) -> Optional[_mmap.mmap]:
         self._start_keeper()
@@ -349,16 +354,14 @@ class _FreedImages:
             self._file_returned()
             return [memory for memory, _ in self.free]
 
-    def _file_returned(self, memory: Optional[_mmap.mmap] = None) -> Optional[float]:
+    def _file_returned(self) -> Optional[float]:
         """Under the lock: files returned mappings, unmaps those past their
         time or beyond the bounds; returns when the next one is due."""
         now = time.monotonic()
-        if memory is not None:
-            self.free.append((memory, now))
         while True:
             try:
-                self.free.append((self.returned.get_nowait(), now))
-            except queue.Empty:
+                self.free.append((self.returned.pop(0), now))  # atomic: a finalizer may append meanwhile
+            except IndexError:
                 break
         if not self.free:
             return None
@@ -392,11 +395,11 @@ class _FreedImages:
         due = None
         while True:
             try:
-                memory = self.returned.get(timeout=None if due is None else max(0.0, due - time.monotonic()))
+                self.doorbell.get(timeout=None if due is None else max(0.0, due - time.monotonic()))
             except queue.Empty:
-                memory = None
+                pass
             with self.lock:
-                due = self._file_returned(memory)
+                due = self._file_returned()
 
     def before_fork(self) -> None:
         """Gives kept memory back in the parent; skipped if another thread

@@ -119,3 +119,15 @@ def test_remove_waits_for_the_save_and_remote_paths_go_to_lightning(tmp_path, mo
         plugin.save_checkpoint({}, tmp_path / "b.ckpt", storage_options={"x": 1})
     with pytest.raises(ValueError, match="engine"):
         FastPersistCheckpointIO(engine="bogus")
+
+
+def test_file_urls_are_local_paths(tmp_path):
+    plugin = FastPersistCheckpointIO()
+    url = f"file://{tmp_path}/sub/x.ckpt"
+    plugin.save_checkpoint({"w": torch.arange(10)}, url)
+    assert torch.equal(original_load()(tmp_path / "sub" / "x.ckpt")["w"], torch.arange(10))
+    assert torch.equal(plugin.load_checkpoint(url)["w"], torch.arange(10))
+    plugin.remove_checkpoint(url)
+    assert not (tmp_path / "sub" / "x.ckpt").exists()
+    with pytest.raises(FileNotFoundError, match="x.ckpt"):
+        plugin.load_checkpoint(url)

@@ -21,6 +21,12 @@ from ..options import Options
 from ..save_api import save
 
 
+def _local(path) -> str:
+    """A local path as a file name (Lightning's local protocol also takes file:// URLs)."""
+    path = os.fspath(path)
+    return path[len("file://"):] if path.startswith("file://") else path
+
+
 def build(CheckpointIO, TorchCheckpointIO, is_local, module: str) -> tuple:
     """(FastPersistCheckpointIO, AsyncFastPersistCheckpointIO) subclassing
     CheckpointIO, named as attributes of `module` (so that they pickle)."""
@@ -43,19 +49,21 @@ def build(CheckpointIO, TorchCheckpointIO, is_local, module: str) -> tuple:
                                 f"{type(self).__name__}")
             if not is_local(path):
                 return self._remote.save_checkpoint(checkpoint, path)
-            folder = os.path.dirname(os.fspath(path))
+            path = _local(path)
+            folder = os.path.dirname(path)
             if folder:
                 os.makedirs(folder, exist_ok=True)
-            self._save(checkpoint, os.fspath(path))
+            self._save(checkpoint, path)
 
         def _save(self, checkpoint: dict, path: str) -> None:
             save(checkpoint, path, **self.options)
 
-        def load_checkpoint(self, path, map_location: Optional[Any] = None,
+        def load_checkpoint(self, path, map_location: Optional[Any] = "cpu",
                             weights_only: Optional[bool] = None) -> dict:
+            """map_location: to the CPU by default, as Lightning's TorchCheckpointIO loads."""
             if not is_local(path):
                 return self._remote.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
-            path = os.fspath(path)
+            path = _local(path)
             if not os.path.exists(path):
                 raise FileNotFoundError(f"Checkpoint file not found: {path}")
             return load(path, map_location=map_location, weights_only=weights_only)
@@ -63,7 +71,7 @@ def build(CheckpointIO, TorchCheckpointIO, is_local, module: str) -> tuple:
         def remove_checkpoint(self, path) -> None:
             if not is_local(path):
                 return self._remote.remove_checkpoint(path)
-            path = os.fspath(path)
+            path = _local(path)
             if os.path.isdir(path) and not os.path.islink(path):
                 shutil.rmtree(path)
             elif os.path.lexists(path):
@@ -119,15 +127,15 @@ def build(CheckpointIO, TorchCheckpointIO, is_local, module: str) -> tuple:
             if error is not None:
                 raise error
 
-        def load_checkpoint(self, path, map_location: Optional[Any] = None,
+        def load_checkpoint(self, path, map_location: Optional[Any] = "cpu",
                             weights_only: Optional[bool] = None) -> dict:
             if is_local(path):
-                self._raise_failures(wait=True, path=os.fspath(path))
+                self._raise_failures(wait=True, path=_local(path))
             return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
 
         def remove_checkpoint(self, path) -> None:
             if is_local(path):
-                self._raise_failures(wait=True, path=os.fspath(path))
+                self._raise_failures(wait=True, path=_local(path))
             super().remove_checkpoint(path)
 
         def teardown(self) -> None:
