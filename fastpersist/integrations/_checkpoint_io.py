@@ -10,6 +10,7 @@ Lightning's plugin, unchanged).
 """
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import threading
@@ -145,3 +146,15 @@ def build(CheckpointIO, TorchCheckpointIO, is_local, module: str) -> tuple:
     for cls in (FastPersistCheckpointIO, AsyncFastPersistCheckpointIO):
         cls.__module__, cls.__qualname__ = module, cls.__name__
     return FastPersistCheckpointIO, AsyncFastPersistCheckpointIO
+
+
+def for_fabric(fabric: str, module: str, package: str, extra: str) -> tuple:
+    """The plugins on the base classes of `fabric` (``lightning.fabric``, or
+    ``lightning_fabric`` for pytorch_lightning), named in `module`."""
+    try:
+        checkpoint_io = importlib.import_module(f"{fabric}.plugins.io.checkpoint_io")
+        torch_io = importlib.import_module(f"{fabric}.plugins.io.torch_io")
+        cloud_io = importlib.import_module(f"{fabric}.utilities.cloud_io")
+    except ImportError as exc:
+        raise ImportError(f"{module} needs the `{package}` package (pip install 'fastpersist[{extra}]')") from exc
+    return build(checkpoint_io.CheckpointIO, torch_io.TorchCheckpointIO, cloud_io._is_local_file_protocol, module)
