@@ -162,27 +162,21 @@ def _memory_limit(opts: Options) -> int:
 def _snapshot(plan: torch_format.CheckpointPlan, arena_source: "_SnapshotMemory", limit: int):
     """Copies every storage of the plan into snapshot memory and points the
     plan at the copies; returns the arena (or None: no tensor data)."""
-    import torch
-
-    records = [r for r in plan.records if r.source.storage is not None and r.source.nbytes]
-    if not records:
+    storages = {}
+    for r in plan.records:
+        if r.source.storage is not None and r.source.nbytes:
+            storage = r.source.storage
+            if storage.device.type != "cpu":  # torch's _save hands over host copies; be safe
+                storage = storage.cpu()
+            storages.setdefault((r.source.storage.data_ptr(), r.source.nbytes), storage)
+    if not storages:
         return None
-    need = sum(-(-r.source.nbytes // _ALIGN) * _ALIGN for r in records)
-    arena = arena_source.take(need, limit)
-    try:
-        offset = 0
-        with torch.no_grad():
-            for r in records:
-                n = r.source.nbytes
-                source = torch.empty(0, dtype=torch.uint8).set_(r.source.storage)[:n]
-                copy = arena.bytes[offset:offset + n]
-                copy.copy_(source)
-                r.source.storage = copy  # the plan now writes from fastpersist's copy
-                offset += -(-n // _ALIGN) * _ALIGN
-    except BaseException:
-        arena_source.give_back(arena)
-        raise
-    return arena
+    copy = _SnapshotCopy.into(storages, arena_source, limit, background=False)
+    if copy.error is not None:
+        arena_source.give_back(copy.arena)
+        raise copy.error
+    copy.adopt(plan)
+    return copy.arena
 
 
 # ---------------------------------------------------------------------------
@@ -312,7 +306,8 @@ def _plan_and_snapshot(obj, path: str, opts: Options, pickle_module, pickle_prot
     whatever the walk did not find (tensors inside other objects, a device
     tensor's host copy) is copied after planning, as before."""
     limit = _memory_limit(opts)
-    early = _EarlyCopy.start(obj, _writer.memory, limit)
+    found = _cpu_storages_in(obj)
+    early = _SnapshotCopy.into(found, _writer.memory, limit, background=True) if found else None
     try:
         plan = torch_format.CheckpointPlan.for_path(obj, path, pickle_module, pickle_protocol,
                                                     disable_byteorder_record)
@@ -371,13 +366,15 @@ def _cpu_storages_in(obj, budget: int = 1_000_000) -> dict:
     return found
 
 
-class _EarlyCopy:
-    """The copy of the storages _cpu_storages_in found, into one arena, by
-    fp_copy_many on a helper thread (without the GIL, so pickling goes on)."""
+class _SnapshotCopy:
+    """The copy of storages ({(data_ptr, nbytes): storage}) into one arena of
+    snapshot memory by fp_copy_many (one C call, without the GIL, as many
+    threads as copy_ uses); in the background on a helper thread while the
+    caller goes on (torch pickles the object), where asked and worth it."""
 
-    MIN_BYTES = 4 << 20  # below this the copy is done before planning, no thread
+    MIN_BYTES = 4 << 20  # below this no helper thread: copied at once
 
-    def __init__(self, storages: dict, arena: "_Arena"):
+    def __init__(self, storages: dict, arena: "_Arena", background: bool):
         import torch
 
         self.storages, self.arena, self.error = storages, arena, None
@@ -385,11 +382,11 @@ class _EarlyCopy:
         base = int(arena.bytes.data_ptr())
         for key, storage in storages.items():
             self.addresses[key] = base + offset
-            copies.append((key[0], base + offset, key[1]))
+            copies.append((storage.data_ptr(), base + offset, key[1]))
             offset += -(-key[1] // _ALIGN) * _ALIGN
         threads = max(1, min(8, torch.get_num_threads()))  # as many as copy_ would use
         self.thread = None
-        if offset < self.MIN_BYTES:
+        if not background or offset < self.MIN_BYTES:
             self._copy(copies, threads)
         else:
             self.thread = threading.Thread(target=self._copy, args=(copies, threads), daemon=True,
@@ -397,14 +394,17 @@ class _EarlyCopy:
             self.thread.start()
 
     @classmethod
-    def start(cls, obj, memory: "_SnapshotMemory", limit: int) -> Optional["_EarlyCopy"]:
-        storages = _cpu_storages_in(obj)
+    def into(cls, storages: dict, memory: "_SnapshotMemory", limit: int,
+             background: bool) -> Optional["_SnapshotCopy"]:
+        """The copy into an arena taken from memory; None in the background
+        where the storages need more than the bound (the plan's snapshot then
+        refuses with the reason), ValueError otherwise."""
         need = sum(-(-n // _ALIGN) * _ALIGN for _, n in storages)
-        if not need or need > limit:
-            return None  # nothing found, or more than the bound: the plan's snapshot says so
+        if background and need > limit:
+            return None
         arena = memory.take(need, limit)
         try:
-            return cls(storages, arena)
+            return cls(storages, arena, background)
         except BaseException:
             memory.give_back(arena)
             raise
