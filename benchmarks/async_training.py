@@ -61,7 +61,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from fastpersist.bench import micro  # noqa: E402
+from fastpersist.bench import common, micro  # noqa: E402
 import models  # noqa: E402
 
 import fastpersist  # noqa: E402
@@ -126,7 +126,7 @@ class Trainer:
 
 class MemcpyReference:
     def __init__(self, checkpoint: dict):
-        self.sources = [torch.empty(0, dtype=torch.uint8).set_(s) for s in micro.distinct_storages(checkpoint)
+        self.sources = [torch.empty(0, dtype=torch.uint8).set_(s) for s in common.distinct_storages(checkpoint)
                         if s.nbytes()]
         self.nbytes = sum(s.numel() for s in self.sources)
         self.memory = mmap.mmap(-1, max(self.nbytes, 1))

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from fastpersist.bench import micro  # noqa: E402
+from fastpersist.bench import common, micro  # noqa: E402
 import models  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -48,7 +48,7 @@ def adam_state(model: torch.nn.Module) -> dict:
 
 def storage_bytes(obj) -> int:
     """Bytes of distinct storages: what the checkpoint holds besides its pickle."""
-    return sum(s.nbytes() for s in micro.distinct_storages(obj))
+    return sum(s.nbytes() for s in common.distinct_storages(obj))
 
 
 def model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -102,7 +102,7 @@ def main(argv=None) -> None:
     checkpoint, built = build_checkpoint(args)
 
     # The raw write repeats the largest tensor's storage (already touched).
-    source = max((t for t in micro.tensors_in(checkpoint) if t.is_contiguous() and t.storage_offset() == 0),
+    source = max((t for t in common.tensors_in(checkpoint) if t.is_contiguous() and t.storage_offset() == 0),
                  key=lambda t: t.untyped_storage().nbytes())
     engines = micro.usable_engines(args.engines)
     runner = micro.Runner(args.folder)

@@ -16,8 +16,7 @@ import tempfile
 import time
 from typing import Callable
 
-from .common import (BenchError, distinct_storages, evict_from_page_cache, raw_read,  # noqa: F401
-                     resolve_engines, tensors_in, touch_all)
+from .common import BenchError, evict_from_page_cache, raw_read, resolve_engines, touch_all
 
 
 def common_arguments(parser: argparse.ArgumentParser) -> None:
