@@ -189,7 +189,7 @@ class FastPersistWriter(_CheckpointFolder, StorageWriter, AsyncStager):
             offset += length
         _wait_for_release_of(path)
         # not O_EXCL: a save that died may have left a file at this name, unreferenced
-        writer = FastFileWriter(path, truncate=True, sole_writer=True, options=opts)
+        writer = FastFileWriter(path, truncate=True, sole_writer=True, options=opts, expected_size=offset)
         try:
             for _, piece in pieces:
                 if isinstance(piece, torch_format.CheckpointPlan):

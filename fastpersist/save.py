@@ -59,25 +59,26 @@ def write_plan_to_path(plan: torch_format.CheckpointPlan, path: str, opts: Optio
     """Writes a planned checkpoint at path (errors name it), atomically and
     durably as opts say; returns its size in bytes. target: path resolved
     already (save_async resolves it when called, not when written)."""
-    return write_to_path(path, opts, lambda writer: torch_format.write_plan(plan, writer), target)
+    return write_to_path(path, opts, lambda writer: torch_format.write_plan(plan, writer), target, plan.size)
 
 
-def write_to_path(path: str, opts: Options, fill, target: Optional[str] = None) -> int:
+def write_to_path(path: str, opts: Options, fill, target: Optional[str] = None, expected_size: int = 0) -> int:
     """Writes the file at path with fill(writer), which returns the bytes it
     wrote: into a locked temporary that is renamed over path (opts.atomic),
     fsynced with its folder (opts.fsync). Where no such temporary can stand
     in for the file (a folder this process may not write in, an owner it
-    may not give the temporary), it writes in place, as torch.save does."""
+    may not give the temporary), it writes in place, as torch.save does.
+    expected_size: the file's size where known (0: unknown)."""
     target = target or os.path.realpath(path)  # torch.save writes through symlinks
     folder = os.path.dirname(target)
     remove_stale_temporaries(folder)
     temporary = None
     try:
         if opts.atomic:
-            temporary = _temporary_standing_in_for(target, opts)
+            temporary = _temporary_standing_in_for(target, opts, expected_size)
         # in place: truncates; freeing the old blocks stays on this save's path
         writer = temporary.writer if temporary else \
-            FastFileWriter(target, truncate=True, sole_writer=True, options=opts)
+            FastFileWriter(target, truncate=True, sole_writer=True, options=opts, expected_size=expected_size)
     except OSError as exc:
         raise OSError(exc.errno, f"{exc.strerror} (fastpersist: creating a file in {folder})", path) from exc
     write_path = temporary.path if temporary else target
@@ -105,14 +106,14 @@ def write_to_path(path: str, opts: Options, fill, target: Optional[str] = None) 
     return size
 
 
-def _temporary_standing_in_for(target: str, opts: Options) -> Optional["_Temporary"]:
+def _temporary_standing_in_for(target: str, opts: Options, expected_size: int = 0) -> Optional["_Temporary"]:
     """A locked temporary beside target, with target's owner, group and mode
     (torch.save truncates the file, keeping all three); None where this
     process cannot make one (said once per folder in the log): the save
     then writes in place, as torch.save would."""
     folder, name = os.path.split(target)
     try:
-        temporary = _Temporary.create(folder, name, opts)
+        temporary = _Temporary.create(folder, name, opts, expected_size=expected_size)
     except PermissionError as exc:  # EACCES, EPERM: a folder we may not write in; the file may still be writable
         _say_in_place(folder, f"no file can be created in the folder ({exc.strerror})")
         return None
@@ -185,7 +186,8 @@ class _Temporary:
         self.in_place = False  # renamed over the destination
 
     @classmethod
-    def create(cls, folder: str, name: str, opts: Options, sole_writer: bool = True) -> "_Temporary":
+    def create(cls, folder: str, name: str, opts: Options, sole_writer: bool = True,
+               expected_size: int = 0) -> "_Temporary":
         """A new, locked temporary beside the destination and a writer of it
         from offset 0 (the file's only writer unless sole_writer=False)."""
         for _ in range(16):
@@ -193,7 +195,8 @@ class _Temporary:
             _writing.add(path)
             try:
                 # O_EXCL: never an existing file, never through a symlink planted at the name
-                writer = FastFileWriter(path, exclusive=True, sole_writer=sole_writer, options=opts)
+                writer = FastFileWriter(path, exclusive=True, sole_writer=sole_writer, options=opts,
+                                        expected_size=expected_size)
             except FileExistsError:
                 _writing.discard(path)
                 continue

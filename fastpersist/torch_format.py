@@ -139,6 +139,14 @@ class ZipLayout:
             return struct.pack("<IIQQ", 0x08074B50, crc, record.size, record.size)
         return struct.pack("<IIII", 0x08074B50, crc, record.size, record.size)
 
+    def central_directory_size(self) -> int:
+        """The length of central_directory(), without building it."""
+        total = 56 + 20 + 22  # zip64 end record, its locator, end record
+        for r in self.records:
+            fields = 16 * (r.size >= _U32_LIMIT) + 8 * (r.header_offset >= _U32_LIMIT)
+            total += _CENTRAL_HEADER.size + len(r.name.encode("utf-8")) + (4 + fields if fields else 0)
+        return total
+
     def central_directory(self) -> bytes:
         """Central directory and end records for the records placed so far,
         starting at the cursor (which it leaves where it is). Its length
@@ -235,7 +243,7 @@ class CheckpointPlan:
             if r.source.data is not None and compute_crc32:
                 r.layout.crc = zlib.crc32(r.source.data)
         self.central_directory_offset = self._layout.cursor
-        self.size = self.central_directory_offset + len(self._layout.central_directory())
+        self.size = self.central_directory_offset + self._layout.central_directory_size()
 
     @classmethod
     def for_path(cls, obj, path: str, pickle_module, pickle_protocol: int, disable_byteorder_record: bool,

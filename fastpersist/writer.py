@@ -33,13 +33,16 @@ class FastFileWriter(io.RawIOBase):
     concurrently) and, on close, cuts the file to exactly where this writer
     ended, which would cut off bytes another writer put beyond that point.
     Leave it False (the default) whenever writers share a file.
+    ``expected_size`` (the file's size when known, as a planned checkpoint's
+    is) bounds that extension: allocating 256 MiB ahead and cutting it off
+    again costs a 1 MB save about a tenth of its time.
     """
 
     PREALLOCATE_STEP = 256 << 20
 
     def __init__(self, path, offset: int = 0, *, truncate: bool = False, exclusive: bool = False,
                  sole_writer: bool = False, create: bool = True, options: Optional[Options] = None,
-                 **overrides):
+                 expected_size: int = 0, **overrides):
         super().__init__()
         self.options = (options or current_options()).replace(**overrides)
         self.path = os.fspath(path)
@@ -56,13 +59,18 @@ class FastFileWriter(io.RawIOBase):
                 self._direct_fd = open_direct(self.path, os.O_WRONLY, same_as=self._buffered_fd)
             self._engine = _engine.acquire(self.options)
             self._engine.begin(self._direct_fd, self._buffered_fd, offset, self.path,
-                               self.PREALLOCATE_STEP if sole_writer else 0)
+                               self._preallocation_step(expected_size - offset) if sole_writer else 0)
         except BaseException:
             self._release()
             if exclusive:  # the file is new and ours: leave nothing behind
                 with contextlib.suppress(OSError):
                     os.unlink(self.path)
             raise
+
+    def _preallocation_step(self, expected_bytes: int) -> int:
+        if expected_bytes <= 0:
+            return self.PREALLOCATE_STEP
+        return min(self.PREALLOCATE_STEP, -(-expected_bytes // 4096) * 4096)
 
     # -- io.RawIOBase ---------------------------------------------------
     def writable(self) -> bool:

@@ -187,6 +187,8 @@ def test_zip64_layout_past_4_gib(folder):
     recorder.write_record("version", b"3\n", 2)
     plan = torch_format.CheckpointPlan("big", recorder.records, 64, compute_crc32=False)
     assert plan.records[2].layout.header_offset > 0xFFFFFFFF  # the layout is known before writing
+    # the size is counted, not built, when planning: the count must match the bytes
+    assert plan.size == plan.central_directory_offset + len(plan.central_directory())
     with open(path, "wb") as f:
         size = torch_format.write_plan(plan, SparseSink(f))
         f.truncate(size)
@@ -202,6 +204,16 @@ def test_zip64_layout_past_4_gib(folder):
     assert off1 >= off0 + big
     header = open(path, "rb").read(30)
     assert struct.unpack("<I", header[:4])[0] == 0x04034B50
+
+
+def test_planned_size_is_the_written_size(folder):
+    """A plan counts its central directory's length without building it
+    (names of several byte lengths, an empty record): the count is what is written."""
+    obj = {"w": torch.randn(10, 10), "é": torch.zeros(0), "x" * 300: torch.ones(3)}
+    plan = torch_format.CheckpointPlan.for_path(obj, str(folder / "ü.pt"), pickle, 2, False)
+    assert plan.size == plan.central_directory_offset + len(plan.central_directory())
+    fastpersist.save(obj, folder / "ü.pt")
+    assert os.path.getsize(folder / "ü.pt") == plan.size
 
 
 def test_files_load_with_vanilla_torch(folder):
