@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import io
 import pickle
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.serialization as _ts
@@ -51,9 +51,126 @@ def check_dill_version(pickle_module) -> None:
     _ts._check_dill_version(pickle_module)
 
 
-def pickle_into(obj, zip_writer, pickle_module, pickle_protocol: int, disable_byteorder_record: bool) -> None:
-    """torch's own pickling: zip_writer stands in for PyTorchFileWriter."""
+def pickle_into(obj, zip_writer, pickle_module, pickle_protocol: int, disable_byteorder_record: bool,
+                capture: bool = True) -> Optional[dict]:
+    """torch's own pickling: zip_writer stands in for PyTorchFileWriter.
+
+    Returns the storages torch's pickling met, by storage key ("0", "1",
+    ...; record ``data/<key>``), captured as they are, on their device:
+    torch's ``_save`` would copy each device storage to fresh host memory
+    before handing it to the zip writer, and the plan would hold every such
+    copy until it is written. Captured, torch hands over nothing: ``_save``
+    runs with its ``skip_data`` flag (which makes it call
+    ``write_record_metadata`` for each storage) and a Pickler that notes the
+    storage behind each key its ``persistent_id`` returns. The pickle and
+    the records are torch's, byte for byte.
+
+    Returns None where torch's own path ran: capture=False, nothing to
+    gain (every tensor found is on the CPU, whose storages torch hands over
+    without a copy), the caller set ``skip_data`` itself, a fake mode is
+    active, or the object holds a tensor that pickles differently under
+    ``skip_data`` (meta, quantized, nested, fake, storage-less backends
+    such as XLA)."""
+    if capture and _capture_applies() and (CAPTURE == "always" or (CAPTURE == "auto" and _may_hold_device_tensors(obj))):
+        tls = _ts._serialization_tls
+        capture = _StorageCapture(pickle_module)
+        tls.skip_data = True
+        try:
+            _ts._save(obj, zip_writer, capture, pickle_protocol, disable_byteorder_record)
+            return capture.storages
+        except _NotCapturable:
+            zip_writer.records.clear()
+        finally:
+            tls.skip_data = False
     _ts._save(obj, zip_writer, pickle_module, pickle_protocol, disable_byteorder_record)
+    return None
+
+
+def _capture_applies() -> bool:
+    return (not _ts._serialization_tls.skip_data and not _ts._serialization_tls.materialize_fake_tensors
+            and torch._guards.detect_fake_mode(None) is None)
+
+
+# "auto": capture where a tensor may be off the CPU; "always" and "never": tests
+# (capture's wrapped persistent_id costs ~7% of planning: not paid where it gains nothing)
+CAPTURE = "auto"
+
+
+def _may_hold_device_tensors(obj, budget: int = 100_000) -> bool:
+    """False where a walk of obj's dicts, lists and tuples (values, not
+    keys) finds only CPU tensors and plain values; True on a tensor
+    elsewhere, any other object (a module, a custom class: what it pickles
+    is unknown) or a walk too long to finish."""
+    seen, stack = set(), [obj]
+    while stack:
+        budget -= 1
+        if budget < 0:
+            return True
+        node = stack.pop()
+        kind = type(node)
+        if kind in _PLAIN_TYPES:
+            continue
+        if isinstance(node, torch.Tensor):
+            if node.device.type != "cpu":
+                return True
+        elif isinstance(node, (dict, list, tuple)):
+            if id(node) not in seen:
+                seen.add(id(node))
+                stack.extend(node.values() if isinstance(node, dict) else node)
+        elif not isinstance(node, (torch.dtype, torch.device, torch.Size)):
+            return True
+    return False
+
+
+_PLAIN_TYPES = frozenset((int, float, bool, str, bytes, type(None), complex))
+
+
+class _NotCapturable(Exception):
+    """A tensor that torch pickles differently under skip_data: torch's own path pickles the object."""
+
+
+class _StorageCapture:
+    """The pickle_module handed to torch's _save while capturing: its
+    Pickler is the caller's, with two hooks put on the subclass _save
+    defines (torch's persistent_id is a method of that subclass)."""
+
+    def __init__(self, pickle_module):
+        storages: dict = {}
+        self.storages = storages
+        base = pickle_module.Pickler
+
+        class CapturingPickler(base):
+            def reducer_override(self, obj):
+                # runs before a tensor's __reduce_ex__ (CPython calls it for
+                # every object that is not a builtin container or atom)
+                if isinstance(obj, torch.Tensor) and _pickles_differently_without_data(obj):
+                    raise _NotCapturable(obj.device.type)
+                return NotImplemented
+
+            def __init_subclass__(cls, **kwargs):
+                super().__init_subclass__(**kwargs)
+                theirs = cls.persistent_id
+
+                def persistent_id(self, obj):
+                    pid = theirs(self, obj)
+                    if pid is not None and type(pid) is tuple and pid[0] == "storage":
+                        storages[pid[2]] = obj._untyped_storage if isinstance(obj, torch.storage.TypedStorage) else obj
+                    return pid
+
+                cls.persistent_id = persistent_id
+
+        self.Pickler = CapturingPickler
+
+
+def _pickles_differently_without_data(tensor) -> bool:
+    """Tensors whose __reduce_ex__ raises, warns or changes under skip_data (torch 2.13's _tensor.py)."""
+    if type(tensor) is not torch.Tensor and not isinstance(tensor, torch.nn.Parameter):
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if isinstance(tensor, FakeTensor):
+            return True
+    return (tensor.device.type in ("xla", "maia", "mtia", "meta", torch._C._get_privateuse1_backend_name())
+            or tensor.is_quantized or tensor.is_nested)
 
 
 def save_settings() -> tuple[bool, int]:

@@ -199,7 +199,8 @@ class RecordingZipWriter:
     """Stands in for ``torch._C.PyTorchFileWriter`` inside
     ``torch.serialization._save`` and records what torch hands it, writing
     nothing, so the whole archive can be planned before a byte is written.
-    (torch copies a device storage to the CPU before handing it over.)"""
+    Storages reach it as torch hands them over, or captured on their device
+    (see ``_torch_api.pickle_into``) and attached to their records."""
 
     def __init__(self):
         self.records: list[RecordSource] = []
@@ -217,6 +218,20 @@ class RecordingZipWriter:
 
     def write_record_metadata(self, name: str, nbytes: int) -> None:
         self.records.append(RecordSource(name, nbytes))
+
+    def attach(self, storages: dict) -> bool:
+        """Gives each storage record written as metadata only its captured
+        storage (by key, ``data/<key>``); False, changing nothing, where one has none."""
+        found = []
+        for r in self.records:
+            if r.data is None and r.storage is None and r.nbytes:
+                storage = storages.get(r.name[5:]) if r.name.startswith("data/") else None
+                if storage is None or storage.nbytes() != r.nbytes:
+                    return False
+                found.append((r, storage))
+        for r, storage in found:
+            r.storage = storage
+        return True
 
 
 @dataclass
@@ -260,7 +275,10 @@ class CheckpointPlan:
 
         compute_crc32, alignment = save_settings()
         recorder = RecordingZipWriter()
-        pickle_into(obj, recorder, pickle_module, pickle_protocol, disable_byteorder_record)
+        captured = pickle_into(obj, recorder, pickle_module, pickle_protocol, disable_byteorder_record)
+        if captured is not None and not recorder.attach(captured):  # a record with no storage: torch's own path
+            recorder = RecordingZipWriter()
+            pickle_into(obj, recorder, pickle_module, pickle_protocol, disable_byteorder_record, capture=False)
         # records torch's zip writer adds when it closes the archive
         version = produced_format_version()
         recorder.write_record("version", version, len(version))

@@ -1,0 +1,182 @@
+"""Storages captured during torch's pickling (the first step of saving GPU
+state without a host copy of all of it): the same file, byte for byte, as
+torch's own path, for every object, and torch's own path wherever capture
+does not apply."""
+import io
+import pickle
+import threading
+import types
+import warnings
+
+import pytest
+import torch
+import torch.serialization as ts
+
+import fastpersist
+from fastpersist import _torch_api, torch_format
+from corpus import corpus
+from test_format import OBJECTS, both, normalized, same_serialization_id  # noqa: F401 - fixture
+
+PROTOCOL = _torch_api.DEFAULT_PROTOCOL
+
+
+def captured(obj, pickle_module=pickle):
+    recorder = torch_format.RecordingZipWriter()
+    storages = _torch_api.pickle_into(obj, recorder, pickle_module, PROTOCOL, False)
+    return recorder, storages
+
+
+def saved_bytes(obj, path, **kwargs):
+    fastpersist.save(obj, path, **kwargs)
+    return normalized(path)
+
+
+@pytest.fixture(autouse=True)
+def capture_always(monkeypatch):
+    """Capture runs for CPU state too (where it gains nothing, so "auto" skips it)."""
+    monkeypatch.setattr(_torch_api, "CAPTURE", "always")
+
+
+@pytest.fixture
+def torch_copies(monkeypatch):
+    """fastpersist.save as before capture: torch hands over its storages."""
+    def use(on: bool):
+        monkeypatch.setattr(_torch_api, "CAPTURE", "never" if on else "always")
+    return use
+
+
+def test_capture_records_the_tensors_own_storages():
+    a, b = torch.randn(100), torch.arange(10)
+    recorder, storages = captured({"a": a, "view": a[10:20], "b": b})
+    assert storages is not None and set(storages) == {"0", "1"}
+    assert storages["0"].data_ptr() == a.untyped_storage().data_ptr()
+    assert storages["1"].data_ptr() == b.untyped_storage().data_ptr()
+    assert recorder.attach(storages)
+    data = {r.name: r for r in recorder.records if r.name.startswith("data/")}
+    assert data["data/0"].storage is storages["0"] and data["data/0"].nbytes == a.nbytes
+    assert not ts._serialization_tls.skip_data  # set only while pickling
+
+
+@pytest.mark.parametrize("key", list(OBJECTS) + ["corpus"])
+def test_captured_file_is_torchs_byte_for_byte(folder, key, torch_copies):
+    obj = corpus() if key == "corpus" else OBJECTS[key]
+    ref, ours = both(obj, folder)
+    assert normalized(ref) == normalized(ours)
+    # and the same as fastpersist's save from torch's own copies
+    (folder / "copies").mkdir()
+    torch.save(obj, folder / "copies" / "again.pt")  # its id is the one the next save takes
+    torch_copies(True)
+    assert saved_bytes(obj, folder / "copies" / "ckpt.pt") == normalized(ours)
+
+
+def test_capture_with_a_python_pickler(folder):
+    """A pickle_module whose Pickler is pickle's pure-Python one."""
+    module = types.SimpleNamespace(Pickler=pickle._Pickler, Unpickler=pickle._Unpickler, __name__="pypickle")
+    obj = {"w": torch.randn(30, 3), "n": 4}
+    _, storages = captured(obj, module)
+    assert storages is not None and set(storages) == {"0"}
+    ref, ours = both(obj, folder, pickle_module=module)
+    assert normalized(ref) == normalized(ours)
+
+
+def quantized():
+    return {"q": torch.quantize_per_tensor(torch.randn(20), 0.1, 3, torch.qint8), "w": torch.ones(4)}
+
+
+def nested():
+    return {"n": torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)]), "w": torch.ones(4)}
+
+
+def meta():
+    return {"m": torch.empty(5, 5, device="meta"), "w": torch.ones(4)}
+
+
+@pytest.mark.filterwarnings("ignore:.*(deprecated|prototype stage).*:UserWarning")  # creating them
+@pytest.mark.parametrize("make", [quantized, nested, meta], ids=lambda f: f.__name__)
+def test_tensors_that_skip_data_changes_take_torchs_path(folder, make):
+    """torch refuses quantized and nested tensors under skip_data and warns
+    on meta ones: these objects are pickled by torch's own path, with no
+    warning torch.save would not give, and the file is torch's."""
+    obj = make()
+    recorder, storages = captured(obj)
+    assert storages is None
+    assert any(r.storage is not None for r in recorder.records)  # torch handed over its storages
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ref, ours = both(obj, folder)
+    assert [str(w.message) for w in caught] == []
+    assert normalized(ref) == normalized(ours)
+
+
+def test_skip_data_set_by_the_caller_is_theirs(folder):
+    obj = {"a": torch.randn(500)}
+    with ts.skip_data():
+        recorder, storages = captured(obj)
+        assert ts._serialization_tls.skip_data  # left as the caller set it
+        ref, ours = both(obj, folder)
+    assert storages is None
+    assert not ts._serialization_tls.skip_data
+    assert normalized(ref) == normalized(ours)
+
+
+def test_a_record_without_its_storage_falls_back(folder, monkeypatch):
+    """Should capture miss a storage, the object is pickled again by torch's path."""
+    real = _torch_api.pickle_into
+    calls = []
+
+    def losing_one(obj, writer, module, protocol, disable, capture=True):
+        calls.append(capture)
+        result = real(obj, writer, module, protocol, disable, capture)
+        if result:
+            result.pop("0")
+        return result
+
+    monkeypatch.setattr(_torch_api, "pickle_into", losing_one)
+    ref, ours = both({"a": torch.randn(100), "b": torch.ones(3)}, folder)
+    assert calls == [True, False]
+    assert normalized(ref) == normalized(ours)
+
+
+def test_pickling_error_restores_skip_data(folder):
+    with pytest.raises(Exception):
+        fastpersist.save({"a": torch.ones(3), "f": threading.Lock()}, folder / "x.pt")
+    assert not ts._serialization_tls.skip_data
+    fastpersist.save({"a": torch.ones(3)}, folder / "y.pt")
+    assert torch.equal(torch.load(folder / "y.pt")["a"], torch.ones(3))
+
+
+def test_skip_data_is_this_threads_only():
+    """Capturing sets torch's flag for the pickling thread alone."""
+    seen = []
+    inside = threading.Event()
+    release = threading.Event()
+
+    class Slow:
+        def __reduce__(self):
+            inside.set()
+            release.wait(10)
+            return (int, (1,))
+
+    worker = threading.Thread(target=captured, args=({"a": torch.ones(3), "slow": Slow()},))
+    worker.start()
+    assert inside.wait(10)
+    seen.append(ts._serialization_tls.skip_data)
+    buf = io.BytesIO()
+    _torch_api.original_save()({"b": torch.arange(5)}, buf)  # torch's own save here, meanwhile, writes data
+    release.set()
+    worker.join()
+    assert seen == [False]
+    assert torch.equal(torch.load(io.BytesIO(buf.getvalue()))["b"], torch.arange(5))
+
+
+def test_auto_captures_only_where_a_tensor_may_be_off_the_cpu(monkeypatch):
+    monkeypatch.setattr(_torch_api, "CAPTURE", "auto")
+    cpu_state = {"model": {"w": torch.ones(3), "b": torch.zeros(2)}, "step": 7, "lr": [0.1, (1, "x")],
+                 "dtype": torch.float16, "shape": torch.Size([2])}
+    assert captured(cpu_state)[1] is None
+    assert not _torch_api._may_hold_device_tensors(cpu_state)
+    # a module's tensors are out of the walk's sight; a meta tensor is off the CPU
+    assert _torch_api._may_hold_device_tensors({"m": torch.nn.Linear(2, 2)})
+    assert _torch_api._may_hold_device_tensors([torch.ones(2), torch.empty(2, device="meta")])
+    assert _torch_api._may_hold_device_tensors([[0] * 10 for _ in range(20)], budget=50)
+    assert captured({"m": torch.nn.Linear(2, 2)})[1] is not None
