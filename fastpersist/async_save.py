@@ -165,10 +165,8 @@ def _snapshot(plan: torch_format.CheckpointPlan, arena_source: "_SnapshotMemory"
     storages = {}
     for r in plan.records:
         if r.source.storage is not None and r.source.nbytes:
-            storage = r.source.storage
-            if storage.device.type != "cpu":  # torch's _save hands over host copies; be safe
-                storage = storage.cpu()
-            storages.setdefault((r.source.storage.data_ptr(), r.source.nbytes), storage)
+            # a device storage (captured while pickling) is copied once, straight into the snapshot
+            storages.setdefault((r.source.storage.data_ptr(), r.source.nbytes), r.source.storage)
     if not storages:
         return None
     copy = _SnapshotCopy.into(storages, arena_source, limit, background=False)
@@ -366,6 +364,16 @@ def _cpu_storages_in(obj, budget: int = 1_000_000) -> dict:
     return found
 
 
+def _as_bytes(storage):
+    """A uint8 tensor over an untyped storage, on its device."""
+    import torch
+
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+_COPY_AS_FROM_A_DEVICE = False  # tests: CPU storages take the device storages' copy
+
+
 class _SnapshotCopy:
     """The copy of storages ({(data_ptr, nbytes): storage}) into one arena of
     snapshot memory by fp_copy_many (one C call, without the GIL, as many
@@ -378,18 +386,21 @@ class _SnapshotCopy:
         import torch
 
         self.storages, self.arena, self.error = storages, arena, None
-        self.addresses, copies, offset = {}, [], 0
+        self.addresses, copies, device_copies, offset = {}, [], [], 0
         base = int(arena.bytes.data_ptr())
         for key, storage in storages.items():
             self.addresses[key] = base + offset
-            copies.append((storage.data_ptr(), base + offset, key[1]))
+            if storage.device.type == "cpu" and not _COPY_AS_FROM_A_DEVICE:
+                copies.append((storage.data_ptr(), base + offset, key[1]))
+            else:
+                device_copies.append((storage, offset, key[1]))
             offset += -(-key[1] // _ALIGN) * _ALIGN
         threads = max(1, min(8, torch.get_num_threads()))  # as many as copy_ would use
         self.thread = None
         if not background or offset < self.MIN_BYTES:
-            self._copy(copies, threads)
+            self._copy(copies, device_copies, threads)
         else:
-            self.thread = threading.Thread(target=self._copy, args=(copies, threads), daemon=True,
+            self.thread = threading.Thread(target=self._copy, args=(copies, device_copies, threads), daemon=True,
                                            name="fastpersist-snapshot")
             self.thread.start()
 
@@ -409,9 +420,13 @@ class _SnapshotCopy:
             memory.give_back(arena)
             raise
 
-    def _copy(self, copies: list, threads: int) -> None:
+    def _copy(self, copies: list, device_copies: list, threads: int) -> None:
         try:
             _engine.copy_many(copies, threads)
+            for storage, offset, nbytes in device_copies:
+                # one device-to-host copy, into the snapshot itself (torch's
+                # _save would first copy to fresh host memory)
+                self.arena.bytes[offset:offset + nbytes].copy_(_as_bytes(storage))
         except BaseException as exc:  # noqa: BLE001 - raised by finish()
             self.error = exc
 

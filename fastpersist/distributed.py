@@ -137,6 +137,8 @@ def save_partitioned(obj, path: str, group, opts: Options, pickle_module=pickle,
         try:
             plan = torch_format.CheckpointPlan.for_path(obj, path, pickle_module, pickle_protocol,
                                                         disable_byteorder_record)
+            # each rank writes a slice and checksums the rest: all of it from host memory
+            plan.copy_device_storages_to_host()
         except BaseException as exc:  # noqa: BLE001 - every rank must reach the exchange
             error = exc
     return write_partitioned(plan, path, group, opts, error, sequence=sequence)

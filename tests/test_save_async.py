@@ -276,3 +276,24 @@ def test_tensors_the_walk_cannot_see_are_snapshotted_after_planning(folder, monk
     assert torch.equal(loaded["hidden"].t, torch.arange(5.0))
     async_save.wait_for_all()
     assert all(a.size for a in async_save._writer.memory.free)  # the early arena went back to the pool
+
+
+def test_storages_copied_as_device_storages_are_into_the_snapshot(folder, monkeypatch):
+    """The copy GPU storages take (torch's copy_ into the snapshot, one per
+    storage, no host copy first), forced on for CPU storages captured
+    while pickling: tensors changed right after return do not reach the file."""
+    from fastpersist import _torch_api
+
+    monkeypatch.setattr(_torch_api, "CAPTURE", "always")
+    monkeypatch.setattr(async_save, "_COPY_AS_FROM_A_DEVICE", True)
+    taken = []
+    real = async_save._as_bytes
+    monkeypatch.setattr(async_save, "_as_bytes", lambda s: (taken.append(s.nbytes()), real(s))[1])
+    obj = state(4)
+    handle = fastpersist.save_async(obj, folder / "d.pt")
+    obj["w"].zero_()
+    obj["b"].fill_(-1)
+    obj["nested"]["h"].zero_()
+    handle.wait()
+    assert sorted(taken) == [3 * 7 * 2, 1000 * 8, 2_000_000 * 4]  # h, b, w: once each
+    assert_state(folder / "d.pt", 4)
