@@ -543,6 +543,7 @@ int fp_stream_begin(struct fp_engine *e, int direct_fd, int buffered_fd, uint64_
     if (rc < 0)
         return rc;
     e->stream_active = 1;
+    e->reserved = 0;
     e->pos = offset;
     e->prealloc_step = prealloc_step;
     e->sole_writer = prealloc_step > 0;
@@ -625,6 +626,8 @@ static int stream_put(struct fp_engine *e, const void *src, size_t n, uint32_t *
         return -ECHILD; /* the buffers are not mapped in this process */
     if (!e->stream_active)
         return -EINVAL;
+    if (e->reserved)
+        return -EBUSY;
     while (n > 0) {
         if (e->error)
             return e->error;
@@ -662,12 +665,48 @@ int fp_stream_write(struct fp_engine *e, const void *src, size_t n, uint32_t *cr
 
 int fp_stream_zero(struct fp_engine *e, size_t n) { return stream_put(e, NULL, n, NULL); }
 
+int fp_stream_reserve(struct fp_engine *e, size_t max, void **dst, size_t *len)
+{
+    if (forked(e))
+        return -ECHILD;
+    if (!e->stream_active || !dst || !len || max == 0)
+        return -EINVAL;
+    if (e->reserved)
+        return -EBUSY;
+    if (e->error)
+        return e->error;
+    if (e->cur_fill == e->cfg.buffer_size && advance(e))
+        return e->error;
+    size_t space = e->cfg.buffer_size - e->cur_fill;
+    *dst = fp_engine_buffer(e, e->cur) + e->cur_fill;
+    *len = e->reserved = space < max ? space : max;
+    return 0;
+}
+
+int fp_stream_commit(struct fp_engine *e, size_t n, uint32_t *crc)
+{
+    if (forked(e))
+        return -ECHILD;
+    size_t reserved = e->reserved;
+    e->reserved = 0;
+    if (!e->stream_active || !reserved || n > reserved)
+        return -EINVAL;
+    if (e->error)
+        return e->error;
+    if (crc && n)
+        *crc = fp_crc32(*crc, fp_engine_buffer(e, e->cur) + e->cur_fill, n);
+    e->cur_fill += n;
+    e->pos += n;
+    return 0;
+}
+
 int fp_stream_end(struct fp_engine *e)
 {
     if (forked(e))
         return -ECHILD;
     if (!e->stream_active)
         return -EINVAL;
+    e->reserved = 0; /* reserved, never committed: not part of the stream */
     if (!e->error)
         flush_current(e);
     wait_all(e);
@@ -688,6 +727,7 @@ void fp_stream_abort(struct fp_engine *e)
     if (!forked(e))
         wait_all(e);
     e->stream_active = 0;
+    e->reserved = 0;
 }
 
 uint64_t fp_stream_offset(const struct fp_engine *e) { return e->pos; }

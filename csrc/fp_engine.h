@@ -111,6 +111,17 @@ int fp_stream_begin(struct fp_engine *e, int direct_fd, int buffered_fd, uint64_
 int fp_stream_write(struct fp_engine *e, const void *src, size_t n, uint32_t *crc);
 /* Appends n zero bytes. */
 int fp_stream_zero(struct fp_engine *e, size_t n);
+/* Ordered reserve/commit, for a producer that fills the engine's buffer
+ * itself (a device-to-host copy): *dst receives the start of *len writable
+ * bytes (0 < *len <= max) in the current buffer, the stream's next bytes;
+ * a full buffer is queued first and the next one waited for.
+ * fp_stream_commit(e, n, crc) then appends the first n <= *len of them
+ * (CRC-32 into *crc if not NULL, as fp_stream_write) and ends the
+ * reservation. Until then nothing else may be appended: -EBUSY. A commit
+ * without a reservation, or of more than was reserved, is -EINVAL (and
+ * ends the reservation); committing 0 bytes gives a reservation up. */
+int fp_stream_reserve(struct fp_engine *e, size_t max, void **dst, size_t *len);
+int fp_stream_commit(struct fp_engine *e, size_t n, uint32_t *crc);
 /* Writes what is buffered, waits for every request, ends the stream. */
 int fp_stream_end(struct fp_engine *e);
 /* Ends the stream without writing what is still buffered (after an error);

@@ -82,6 +82,7 @@ struct fp_engine {
 
     /* write stream */
     int stream_active;
+    size_t reserved; /* bytes handed out by fp_stream_reserve, not yet committed */
     int direct_fd, buffered_fd;
     int direct;
     uint64_t pos;           /* file offset of the next byte */

@@ -63,6 +63,12 @@ def crc32(data, crc: int = 0) -> int:
     return lib.fp_crc32(crc, buf, len(buf))
 
 
+def memory_at(address: int, nbytes: int):
+    """A writable buffer over nbytes of this process's memory at address."""
+    _, ffi = _load()
+    return ffi.buffer(ffi.cast("char *", address), nbytes)
+
+
 def crc32_combine(crc_a: int, crc_b: int, len_b: int) -> int:
     """CRC-32 of A followed by B from the CRC-32s of A and B and B's length."""
     lib, _ = _load()
@@ -165,6 +171,24 @@ class Engine:
     def write_zeros(self, nbytes: int) -> None:
         lib, _ = _load()
         self._check(lib.fp_stream_zero(self._handle, nbytes), "write")
+
+    def reserve(self, max_bytes: int) -> tuple:
+        """(address, length): the next 0 < length <= max_bytes bytes of the
+        stream, in the engine's buffer, for the caller to fill and commit()."""
+        lib, ffi = _load()
+        dst, length = ffi.new("void **"), ffi.new("size_t *")
+        self._check(lib.fp_stream_reserve(self._handle, max_bytes, dst, length), "reserve")
+        return int(ffi.cast("uintptr_t", dst[0])), int(length[0])
+
+    def commit(self, nbytes: int, crc: Optional[int] = None) -> Optional[int]:
+        """Appends the first nbytes of the reservation; updates and returns crc if given."""
+        lib, ffi = _load()
+        if crc is None:
+            self._check(lib.fp_stream_commit(self._handle, nbytes, ffi.NULL), "commit")
+            return None
+        self._crc[0] = crc
+        self._check(lib.fp_stream_commit(self._handle, nbytes, self._crc), "commit")
+        return int(self._crc[0])
 
     def tell(self) -> int:
         lib, _ = _load()

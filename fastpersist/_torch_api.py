@@ -65,13 +65,13 @@ def pickle_into(obj, zip_writer, pickle_module, pickle_protocol: int, disable_by
     storage behind each key its ``persistent_id`` returns. The pickle and
     the records are torch's, byte for byte.
 
-    Returns None where torch's own path ran: capture=False, nothing to
-    gain (every tensor found is on the CPU, whose storages torch hands over
-    without a copy), the caller set ``skip_data`` itself, a fake mode is
-    active, or the object holds a tensor that pickles differently under
-    ``skip_data`` (meta, quantized, nested, fake, storage-less backends
-    such as XLA)."""
-    if capture and _capture_applies() and (CAPTURE == "always" or (CAPTURE == "auto" and _may_hold_device_tensors(obj))):
+    Returns None where torch's own path ran: capture=False; nothing to
+    gain (every tensor on the CPU, whose storages torch hands over without
+    a copy); an object that is not plain data (see _worth_capturing); the
+    caller set ``skip_data`` itself; a fake mode is active; or a tensor
+    that pickles differently under ``skip_data`` (meta, quantized, nested,
+    storage-less backends such as XLA)."""
+    if capture and _capture_applies() and (CAPTURE == "always" or (CAPTURE == "auto" and _worth_capturing(obj))):
         tls = _ts._serialization_tls
         capture = _StorageCapture(pickle_module)
         tls.skip_data = True
@@ -91,38 +91,43 @@ def _capture_applies() -> bool:
             and torch._guards.detect_fake_mode(None) is None)
 
 
-# "auto": capture where a tensor may be off the CPU; "always" and "never": tests
+# "auto": capture plain data holding a tensor off the CPU; "always" and "never": tests
 # (capture's wrapped persistent_id costs ~7% of planning: not paid where it gains nothing)
 CAPTURE = "auto"
 
 
-def _may_hold_device_tensors(obj, budget: int = 100_000) -> bool:
-    """False where a walk of obj's dicts, lists and tuples (values, not
-    keys) finds only CPU tensors and plain values; True on a tensor
-    elsewhere, any other object (a module, a custom class: what it pickles
-    is unknown) or a walk too long to finish."""
-    seen, stack = set(), [obj]
+def _worth_capturing(obj, budget: int = 100_000) -> bool:
+    """True where a walk of obj finds a tensor off the CPU and nothing but
+    plain data: dicts, lists and tuples (values, not keys), numbers and
+    strings, dtypes, and tensors and Parameters of torch's own classes.
+
+    Capture sets torch's skip_data flag for the pickling thread, and any code
+    pickling runs (a custom class's __reduce__ or __getstate__, a tensor
+    subclass's __reduce_ex__) would see it: a torch.load or torch.save in
+    there would skip its data. So any other object, or a walk too long to
+    finish, keeps torch's own path."""
+    seen, stack, off_cpu = set(), [obj], False
     while stack:
         budget -= 1
         if budget < 0:
-            return True
+            return False
         node = stack.pop()
         kind = type(node)
         if kind in _PLAIN_TYPES:
             continue
-        if isinstance(node, torch.Tensor):
-            if node.device.type != "cpu":
-                return True
-        elif isinstance(node, (dict, list, tuple)):
+        if kind is torch.Tensor or kind is torch.nn.Parameter:
+            off_cpu = off_cpu or node.device.type != "cpu"
+        elif kind in _CONTAINER_TYPES:
             if id(node) not in seen:
                 seen.add(id(node))
                 stack.extend(node.values() if isinstance(node, dict) else node)
-        elif not isinstance(node, (torch.dtype, torch.device, torch.Size)):
-            return True
-    return False
+        else:
+            return False
+    return off_cpu
 
 
-_PLAIN_TYPES = frozenset((int, float, bool, str, bytes, type(None), complex))
+_CONTAINER_TYPES = frozenset((dict, collections.OrderedDict, collections.defaultdict, list, tuple))
+_PLAIN_TYPES = frozenset((int, float, bool, str, bytes, type(None), complex, torch.dtype, torch.Size))
 
 
 class _NotCapturable(Exception):

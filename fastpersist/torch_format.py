@@ -14,8 +14,8 @@ so the whole layout is known before a byte of tensor data is written.
 from __future__ import annotations
 
 import secrets
-import sys
 import struct
+import sys
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -318,6 +318,33 @@ class CheckpointPlan:
         return self._layout.central_directory()
 
 
+STREAM_CPU_STORAGES = False  # tests: CPU storages take the device storages' path
+
+
+def stream_storage(storage, nbytes: int, sink, crc: Optional[int]) -> Optional[int]:
+    """Copies a storage (on any device) into the sink's engine buffers, one
+    reservation at a time (sink.reserve(max) returns a writable buffer of
+    at most max bytes; sink.commit(n, crc) appends them), so no host copy of
+    the whole storage is made: host memory stays the engine's buffers. Each
+    copy into buffer k overlaps the engine's write of buffer k - 1."""
+    import torch
+
+    source = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+    done = 0
+    while done < nbytes:
+        buffer = sink.reserve(nbytes - done)
+        length = len(buffer)
+        target = torch.frombuffer(buffer, dtype=torch.uint8)
+        try:
+            target.copy_(source[done:done + length])
+        except BaseException:
+            sink.commit(0)  # gives the reservation up
+            raise
+        crc = sink.commit(length, crc)
+        done += length
+    return crc
+
+
 def write_plan(plan: CheckpointPlan, sink) -> int:
     """Writes a planned checkpoint to ``sink`` in file order, storages
     straight from their memory with their CRC-32 computed while copying;
@@ -331,10 +358,14 @@ def write_plan(plan: CheckpointPlan, sink) -> int:
             sink.write(src.data)
         elif src.storage is not None:
             storage = src.storage
-            if storage.device.type != "cpu":  # torch's _save hands over CPU storages; be safe
-                storage = storage.cpu()
             if src.nbytes:
-                crc = sink.write_address(storage.data_ptr(), src.nbytes, 0 if plan.compute_crc32 else None)
+                crc = 0 if plan.compute_crc32 else None
+                if storage.device.type == "cpu" and not STREAM_CPU_STORAGES:
+                    crc = sink.write_address(storage.data_ptr(), src.nbytes, crc)
+                elif hasattr(sink, "reserve"):
+                    crc = stream_storage(storage, src.nbytes, sink, crc)
+                else:
+                    crc = sink.write_address(storage.cpu().data_ptr(), src.nbytes, crc)
                 plan.set_crc(r, crc or 0)
         else:
             sink.write_zeros(src.nbytes)

@@ -113,6 +113,17 @@ class FastFileWriter(io.RawIOBase):
         self._check_open()
         self._engine.write_zeros(nbytes)
 
+    def reserve(self, max_bytes: int):
+        """A writable buffer of at most max_bytes in the engine's memory: the
+        file's next bytes once filled and commit()ed."""
+        self._check_open()
+        return _engine.memory_at(*self._engine.reserve(max_bytes))
+
+    def commit(self, nbytes: int, crc: Optional[int] = None) -> Optional[int]:
+        """Appends nbytes of the reservation; returns the updated CRC-32 if crc is given."""
+        self._check_open()
+        return self._engine.commit(nbytes, crc)
+
     @property
     def engine(self) -> str:
         return self._engine.kind if self._engine else ""

@@ -169,14 +169,40 @@ def test_skip_data_is_this_threads_only():
     assert torch.equal(torch.load(io.BytesIO(buf.getvalue()))["b"], torch.arange(5))
 
 
-def test_auto_captures_only_where_a_tensor_may_be_off_the_cpu(monkeypatch):
+def test_auto_captures_only_plain_data_with_a_tensor_off_the_cpu(monkeypatch):
+    """Capture sets torch's skip_data for the pickling thread: code that
+    pickling runs (a class's __reduce__) would see it, so only plain data
+    is captured, and only where a tensor is off the CPU (on the CPU torch
+    copies nothing anyway)."""
     monkeypatch.setattr(_torch_api, "CAPTURE", "auto")
     cpu_state = {"model": {"w": torch.ones(3), "b": torch.zeros(2)}, "step": 7, "lr": [0.1, (1, "x")],
                  "dtype": torch.float16, "shape": torch.Size([2])}
     assert captured(cpu_state)[1] is None
-    assert not _torch_api._may_hold_device_tensors(cpu_state)
-    # a module's tensors are out of the walk's sight; a meta tensor is off the CPU
-    assert _torch_api._may_hold_device_tensors({"m": torch.nn.Linear(2, 2)})
-    assert _torch_api._may_hold_device_tensors([torch.ones(2), torch.empty(2, device="meta")])
-    assert _torch_api._may_hold_device_tensors([[0] * 10 for _ in range(20)], budget=50)
-    assert captured({"m": torch.nn.Linear(2, 2)})[1] is not None
+    assert not _torch_api._worth_capturing(cpu_state)
+    meta_state = {"w": torch.nn.Parameter(torch.empty(2, device="meta")), "b": torch.ones(2)}
+    assert _torch_api._worth_capturing(meta_state)
+    assert captured(meta_state)[1] is None  # and then refused: meta pickles differently under skip_data
+    for not_plain in ({"m": torch.nn.Linear(2, 2, device="meta")}, [_Reducing(), torch.empty(1, device="meta")]):
+        assert not _torch_api._worth_capturing(not_plain)
+    many = [[torch.empty(1, device="meta")] for _ in range(20)]
+    assert _torch_api._worth_capturing(many) and not _torch_api._worth_capturing(many, budget=30)
+
+
+class _Reducing:
+    def __reduce__(self):
+        return (int, (1,))
+
+
+def test_code_run_by_pickling_never_sees_skip_data(folder, monkeypatch):
+    """A load inside a __reduce__ while fastpersist saves reads real data."""
+    monkeypatch.setattr(_torch_api, "CAPTURE", "auto")
+    fastpersist.save({"x": torch.arange(5.0)}, folder / "inner.pt")
+    seen = []
+
+    class LoadsWhilePickled:
+        def __reduce__(self):
+            seen.append((ts._serialization_tls.skip_data, fastpersist.load(folder / "inner.pt")["x"].clone()))
+            return (int, (1,))
+
+    fastpersist.save({"o": LoadsWhilePickled(), "t": torch.ones(3)}, folder / "outer.pt")
+    assert seen[0][0] is False and torch.equal(seen[0][1], torch.arange(5.0))
