@@ -175,6 +175,7 @@ def test_auto_captures_only_plain_data_with_a_tensor_off_the_cpu(monkeypatch):
     is captured, and only where a tensor is off the CPU (on the CPU torch
     copies nothing anyway)."""
     monkeypatch.setattr(_torch_api, "CAPTURE", "auto")
+    monkeypatch.setattr(_torch_api, "_accelerator_initialized", lambda: True)  # as after CUDA started
     cpu_state = {"model": {"w": torch.ones(3), "b": torch.zeros(2)}, "step": 7, "lr": [0.1, (1, "x")],
                  "dtype": torch.float16, "shape": torch.Size([2])}
     assert captured(cpu_state)[1] is None
@@ -196,6 +197,7 @@ class _Reducing:
 def test_code_run_by_pickling_never_sees_skip_data(folder, monkeypatch):
     """A load inside a __reduce__ while fastpersist saves reads real data."""
     monkeypatch.setattr(_torch_api, "CAPTURE", "auto")
+    monkeypatch.setattr(_torch_api, "_accelerator_initialized", lambda: True)
     fastpersist.save({"x": torch.arange(5.0)}, folder / "inner.pt")
     seen = []
 
@@ -206,3 +208,16 @@ def test_code_run_by_pickling_never_sees_skip_data(folder, monkeypatch):
 
     fastpersist.save({"o": LoadsWhilePickled(), "t": torch.ones(3)}, folder / "outer.pt")
     assert seen[0][0] is False and torch.equal(seen[0][1], torch.arange(5.0))
+
+
+def test_a_process_without_cuda_does_not_walk_its_state(folder, monkeypatch):
+    """No accelerator started: no device tensor can exist, so no walk either."""
+    monkeypatch.setattr(_torch_api, "CAPTURE", "auto")
+    assert not _torch_api._accelerator_initialized()  # the CPU build here
+
+    def walk(*_):
+        raise AssertionError("walked")
+
+    monkeypatch.setattr(_torch_api, "_worth_capturing", walk)
+    fastpersist.save({"w": torch.ones(3)}, folder / "x.pt")
+    assert torch.equal(torch.load(folder / "x.pt")["w"], torch.ones(3))
