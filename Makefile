@@ -29,7 +29,7 @@ deps:
 		|| $(PIP) install -q torch==$(TORCH_VERSION)
 	$(PIP) install -q "cffi>=1.15" "setuptools>=64" wheel "pytest>=7" numpy hypothesis tqdm matplotlib pytest-benchmark
 	@# the frameworks the integrations' tests run for real; torch is already there, so none pulls CUDA
-	$(PIP) install -q "lightning>=2.1" "transformers>=4.40" "accelerate>=0.26"
+	$(PIP) install -q "lightning>=2.1" "transformers>=4.40" "accelerate>=0.26" "deepspeed>=0.16"
 
 build: deps
 	$(PIP) install -q --no-build-isolation -e .
