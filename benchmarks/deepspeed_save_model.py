@@ -1,0 +1,116 @@
+"""DeepSpeed save_checkpoint through its own TorchCheckpointEngine against
+fastpersist's CheckpointEngine (synchronous and asynchronous), on a
+GPT-2-shaped model on DeepSpeed's CPU accelerator (gloo, one rank, ZeRO
+stage 0: model and AdamW state in one file).
+
+For each engine: the time save_checkpoint blocks training ("blocked") and
+the time until the checkpoint is durable ("durable": the torch engine's
+files fsynced afterwards, since it fsyncs nothing; the asynchronous
+engine's commit, which DeepSpeed would run at the next step). Engines
+alternate in shuffled rounds after one warm-up round; medians and per-round
+ratios against the torch engine. A new tag (folder) every save, as
+step-numbered checkpoints are.
+
+    python benchmarks/deepspeed_save_model.py --layers 12 --repeats 5
+"""
+import argparse
+import dataclasses
+import os
+import random
+import socket
+import statistics
+import tempfile
+import time
+
+ENGINES = ("torch", "fastpersist", "fastpersist async")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fsync_tree(folder: str) -> None:
+    for root, _, files in os.walk(folder):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=12, help="GPT-2 small layers (default: 12)")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds (default: 5)")
+    parser.add_argument("--folder", default=None, help="where checkpoints go (default: a temporary folder here)")
+    args = parser.parse_args(argv)
+
+    for key, value in (("DS_ACCELERATOR", "cpu"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(_free_port())),
+                       ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("FASTPERSIST_AUTOPATCH", "0")):
+        os.environ.setdefault(key, value)
+    import deepspeed
+    import torch
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    from fastpersist.bench import models
+    from fastpersist.integrations.deepspeed import FastPersistCheckpointEngine
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = models.build(dataclasses.replace(models.CONFIGS["gpt2"], layers=args.layers))
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    # one step, so that AdamW's state exists and is saved
+    engine.backward(sum(p.float().sum() for p in engine.module.parameters()) * 0.0)
+    engine.step()
+    checkpoint_engines = {"torch": TorchCheckpointEngine(engine._config),
+                          "fastpersist": FastPersistCheckpointEngine(),
+                          "fastpersist async": FastPersistCheckpointEngine(asynchronous=True)}
+    blocked = {name: [] for name in ENGINES}
+    durable = {name: [] for name in ENGINES}
+    size = 0
+    with tempfile.TemporaryDirectory(prefix=".fastpersist-bench-", dir=args.folder or ".") as folder:
+        for r in range(args.repeats + 1):
+            order = list(ENGINES)
+            random.Random(r).shuffle(order)
+            for name in order:
+                engine.checkpoint_engine = checkpoint_engines[name]
+                tag = f"{name.replace(' ', '-')}-{r}"
+                start = time.perf_counter()
+                engine.save_checkpoint(folder, tag=tag)
+                saved = time.perf_counter()
+                if name == "torch":
+                    _fsync_tree(os.path.join(folder, tag))
+                elif engine.checkpoint_engine.is_decoupled():
+                    engine.checkpoint_engine.cleanup()  # the commit DeepSpeed runs at the next step
+                end = time.perf_counter()
+                if r:  # round 0 warms up
+                    blocked[name].append(saved - start)
+                    durable[name].append(end - start)
+                size = sum(os.path.getsize(os.path.join(root, f))
+                           for root, _, files in os.walk(os.path.join(folder, tag)) for f in files)
+                for root, _, files in os.walk(os.path.join(folder, tag)):
+                    for f in files:
+                        os.unlink(os.path.join(root, f))
+    params = sum(p.numel() for p in model.parameters())
+    print(f"DeepSpeed {deepspeed.__version__}, GPT-2 small x {args.layers} layers ({params / 1e6:.0f} M parameters), "
+          f"ZeRO 0, checkpoint {size / 1e9:.2f} GB, {args.repeats} rounds")
+    print(f"{'engine':<20}{'blocked s':>10}{'durable s':>11}{'GB/s durable':>14}{'x torch blocked':>17}"
+          f"{'x torch durable':>17}")
+    for name in ENGINES:
+        xb = statistics.median(t / s for t, s in zip(blocked["torch"], blocked[name]))
+        xd = statistics.median(t / s for t, s in zip(durable["torch"], durable[name]))
+        print(f"{name:<20}{statistics.median(blocked[name]):>10.3f}{statistics.median(durable[name]):>11.3f}"
+              f"{size / statistics.median(durable[name]) / 1e9:>14.2f}{xb:>17.2f}{xd:>17.2f}")
+
+
+if __name__ == "__main__":
+    main()
