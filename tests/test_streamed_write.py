@@ -15,7 +15,8 @@ from fastpersist import FastFileWriter, _torch_api, torch_format
 
 from conftest import SMALL, leftovers, vanilla_load
 from corpus import corpus
-from test_faults import assert_is, checkpoint, idle_engines, inject  # noqa: F401 - fixture
+import test_faults
+from test_faults import assert_is, checkpoint, inject  # noqa: F401 - fixture
 from test_format import both, normalized, same_serialization_id  # noqa: F401 - fixture
 
 PAYLOAD = np.random.default_rng(1).integers(0, 256, size=300_001, dtype=np.uint8).tobytes()
@@ -110,19 +111,9 @@ def test_streamed_save_with_small_buffers(folder, streamed):
 
 @pytest.mark.parametrize("spec, code", [("write:3:EIO", errno.EIO), ("write:1+:ENOSPC", errno.ENOSPC)])
 def test_streamed_write_failure_loses_nothing(folder, engine, inject, streamed, spec, code):
-    path = folder / "ckpt.pt"
-    fastpersist.save(checkpoint(1), path, engine=engine, **SMALL)
-    before = path.read_bytes()
-    inject(spec)
-    with pytest.raises(OSError) as info:
-        fastpersist.save(checkpoint(2), path, engine=engine, **SMALL)
-    assert info.value.errno == code and info.value.filename == str(path)
-    assert path.read_bytes() == before
-    assert leftovers(folder) == []
-    assert idle_engines() == []
-    inject(None)
-    fastpersist.save(checkpoint(3), path, engine=engine, **SMALL)
-    assert_is(path, 3)
+    """The fault-injection test of ordinary saves, its storages streamed."""
+    test_faults.test_failed_write_loses_nothing_and_engine_is_dropped(folder, engine, inject, spec, code)
+    assert streamed
 
 
 def test_a_failing_copy_gives_the_reservation_up(folder, streamed, monkeypatch):
