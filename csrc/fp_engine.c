@@ -12,7 +12,6 @@
 
 #include "fp_engine_internal.h"
 
-
 #include <dlfcn.h>
 #include <zlib.h>
 

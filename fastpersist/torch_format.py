@@ -304,7 +304,7 @@ class CheckpointPlan:
         storage's bytes in host memory at once."""
         for r in self.records:
             storage = r.source.storage
-            if storage is not None and getattr(storage, "device", None) is not None and storage.device.type != "cpu":
+            if storage is not None and storage.device.type != "cpu":
                 r.source.storage = storage.cpu()
 
     def set_crc(self, record: PlannedRecord, crc: int) -> None:
