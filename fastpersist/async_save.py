@@ -301,8 +301,8 @@ def _plan_and_snapshot(obj, path: str, opts: Options, pickle_module, pickle_prot
     caller's stall. The tensors found by walking obj's containers are copied
     on a helper thread while torch pickles obj (each takes about as long:
     0.07 s of copying and 0.01 s of pickling for 365 tensors of 1 GB here);
-    whatever the walk did not find (tensors inside other objects, a device
-    tensor's host copy) is copied after planning, as before."""
+    whatever the walk did not find (tensors inside other objects, tensors
+    on a device) is copied after planning, as before."""
     limit = _memory_limit(opts)
     found = _cpu_storages_in(obj)
     early = _SnapshotCopy.into(found, _writer.memory, limit, background=True) if found else None
