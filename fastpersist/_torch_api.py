@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import io
 import pickle
+import sys
 from typing import Callable, Optional
 
 import torch
@@ -273,6 +274,96 @@ class _PlainStateUnpickler(pickle.Unpickler):
 
 class _NeedsTorchUnpickler(pickle.UnpicklingError):
     pass
+
+
+class NotPlainState(Exception):
+    """unpickle_plain_state does not apply: torch's own _load must run."""
+
+
+def _is_cpu_map_location(map_location) -> bool:
+    return map_location is None or (isinstance(map_location, (str, torch.device))
+                                    and torch.device(map_location) == torch.device("cpu"))
+
+
+def unpickle_plain_state(zip_reader, storage_for, map_location, *, encoding: str = "utf-8"):
+    """What torch's _load returns for a plain state dict of CPU tensors, built
+    without its per-storage machinery (fake-mode checks, the restore-location
+    walk, its reader calls): 1.8 ms instead of 3.2 ms for 110 tensors here.
+
+    Tensors are still built by torch's _rebuild_tensor_v2 and
+    _rebuild_parameter over TypedStorages made as _load makes them; nothing
+    reads tensor data, so the caller may still be reading it into the
+    storages storage_for(key, nbytes, storage_alignment) returns (slices of
+    one file image). The caller logs what _load logs at its end
+    (log_load_metadata), once the serialization id can be read cheaply.
+    Raises NotPlainState, before any data is needed, wherever torch's path
+    must decide: a global outside PLAIN_STATE_GLOBALS and the storage
+    classes, a storage saved from another device or mapped elsewhere, a file
+    whose bytes need swapping, a pickle torch's unpickler would word errors
+    for. Which unpickler rules apply (weights-only or not) is the caller's
+    choice: this one allows only what both allow."""
+    from torch.serialization import LoadEndianness, get_default_load_endianness
+
+    if not _is_cpu_map_location(map_location):
+        raise NotPlainState("map_location")
+    # what _load reads before the pickle (each a CRC-checked record here)
+    if zip_reader.has_record(".format_version"):
+        zip_reader.get_record(".format_version")
+    alignment = 64
+    if zip_reader.has_record(".storage_alignment"):
+        alignment = int(zip_reader.get_record(".storage_alignment"))
+    if zip_reader.has_record("byteorder"):
+        order = zip_reader.get_record("byteorder").decode("ascii", "replace")
+    else:
+        endianness = get_default_load_endianness()
+        order = "little" if endianness in (None, LoadEndianness.LITTLE) else (
+            "big" if endianness == LoadEndianness.BIG else sys.byteorder)
+    if order != sys.byteorder:
+        raise NotPlainState("byte order")
+
+    storages = {}
+
+    def persistent_load(saved_id):
+        if not (isinstance(saved_id, tuple) and len(saved_id) == 5 and saved_id[0] == "storage"):
+            raise NotPlainState("persistent id")
+        _, storage_type, key, location, numel = saved_id
+        if location != "cpu" or type(key) is not str or type(numel) is not int or numel < 0 \
+                or not isinstance(storage_type, _ts.StorageType):
+            raise NotPlainState("storage")
+        typed = storages.get(key)
+        if typed is None:
+            dtype = storage_type.dtype
+            untyped = storage_for(key, numel * torch._utils._element_size(dtype), alignment)
+            typed = torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+            if typed._data_ptr() != 0:  # as _load: empty storages are not shared
+                storages[key] = typed
+        return typed
+
+    class Unpickler(_PlainStateUnpickler):
+        def find_class(self, module, name):
+            if (module, name) in _STORAGE_GLOBALS:
+                return _ts.StorageType(name)
+            return super().find_class(module, name)
+
+    try:
+        unpickler = Unpickler(io.BytesIO(zip_reader.get_record("data.pkl")), encoding=encoding)
+        unpickler.persistent_load = persistent_load
+        _ts._serialization_tls.map_location = map_location
+        try:
+            result = unpickler.load()
+        finally:
+            _ts._serialization_tls.map_location = None
+    except NotPlainState:
+        raise
+    except Exception as exc:  # torch's unpickler decides, and words the error
+        raise NotPlainState(repr(exc)) from exc
+    torch._utils._validate_loaded_sparse_tensors()
+    return result
+
+
+def log_load_metadata(zip_reader) -> None:
+    """What torch's _load logs when it has loaded a file."""
+    torch._C._log_api_usage_metadata("torch.load.metadata", {"serialization_id": zip_reader.serialization_id()})
 
 
 class _PlainStateUnpickling:

@@ -93,6 +93,18 @@ class RecordLayout:
         return self.data_offset + self.size + self.descriptor_size
 
 
+def aligned_data_offset(header_offset: int, name_length: int, size: int, alignment: int) -> int:
+    """Where torch's zip writer (and ZipLayout) puts the data of a record
+    whose local header is at header_offset: after the header, the name, a
+    zip64 extra field where the size or the offset needs one (4 bytes of
+    field header, 16 for the sizes, 8 for the offset) and an "FB" field whose
+    padding aligns the data."""
+    start = header_offset + _LOCAL_HEADER.size + name_length + 4
+    if size >= _U32_LIMIT or header_offset >= _U32_LIMIT:
+        start += 4 + (16 if size >= _U32_LIMIT else 0) + (8 if header_offset >= _U32_LIMIT else 0)
+    return start + -start % alignment
+
+
 class ZipLayout:
     """Assigns offsets to records in order and builds their header bytes."""
 
@@ -118,8 +130,8 @@ class ZipLayout:
             if offset >= _U32_LIMIT:
                 fields += struct.pack("<Q", offset)
             zip64_extra = struct.pack("<HH", 1, len(fields)) + fields
-        start = offset + _LOCAL_HEADER.size + len(full) + len(zip64_extra) + 4
-        padding = -start % self.alignment
+        padding = aligned_data_offset(offset, len(full), size, self.alignment) - (
+            offset + _LOCAL_HEADER.size + len(full) + len(zip64_extra) + 4)
         extra = zip64_extra + b"FB" + struct.pack("<H", padding) + b"Z" * padding
         flags = _FLAGS if size else _FLAGS_EMPTY
         header = _LOCAL_HEADER.pack(0x04034B50, 0, flags, 0, 0, 0, 0, 0, 0, len(full), len(extra))
@@ -731,6 +743,10 @@ class ArchiveIndex:
         """The order miniz's binary search walks: its in-place heap sort of
         the case-folded names (which fixes which of two equal names is found)."""
         keys = [_lower(e.name) for e in self._entries]
+        self._sorted_keys = keys
+        if len(set(keys)) == len(keys):  # no ties: any sort gives miniz's order (0.1 ms, not 0.5, at 110 records)
+            self._sorted = sorted(range(len(keys)), key=keys.__getitem__)
+            return
 
         def less(a: int, b: int) -> bool:
             return keys[a] < keys[b]  # bytewise, a proper prefix first: miniz's order
@@ -757,7 +773,6 @@ class ArchiveIndex:
                 order[0], order[end] = order[end], order[0]
                 sift(0, end)
         self._sorted = order
-        self._sorted_keys = keys
 
     def _find(self, full_name: bytes) -> Optional[int]:
         """miniz's binary search for a name (a C string: it ends at a NUL)."""
@@ -885,13 +900,14 @@ class ArchiveIndex:
             return b""
         return self._read_exact(read_at, r.data_offset, r.size, f"record '{r.name}'")
 
-    def resolve(self, read_at, names=None) -> None:
+    def resolve(self, read_at, names=None, strict: Optional[bool] = None) -> None:
         """Finds where the data of `names` (records or names; all records when
         None) starts, from local headers, with the checks torch's reader
         makes before reading a record; those refuse with CheckpointError.
-        With names=None nothing is refused: a record torch would refuse
-        to read raises only when its data_offset is used."""
-        strict = names is not None
+        With names=None (or strict=False) nothing is refused: a record torch
+        would refuse to read raises only when its data_offset is used."""
+        if strict is None:
+            strict = names is not None
         for item in (self.records.values() if names is None else names):
             r = item if isinstance(item, RecordEntry) else self.entry(item)
             if r._data_offset >= 0:
@@ -966,6 +982,7 @@ class TorchArchiveReader:
         self._read_at = read_at
         self._storage = storage  # the whole file as one UntypedStorage, when it has been read
         self._checksummed: Optional[bool] = None  # has_checksums, asked once
+        self._guessed: dict = {}  # record name -> (record, data offset guessed by storage_for_key)
 
     def has_record(self, name: str) -> bool:
         return self.index.lookup(name) is not None
@@ -1015,6 +1032,35 @@ class TorchArchiveReader:
         """A uint8 tensor over the record: a slice of the whole-file storage, no copy."""
         import torch
 
+        return torch.empty(0, dtype=torch.uint8).set_(self._record_storage(name, nbytes))
+
+    def storage_for_key(self, key: str, nbytes: int, alignment: int):
+        """The UntypedStorage over record data/<key> (a slice of the file's),
+        for a load that builds tensors while the file is still being read:
+        the record's local header, which says where its data starts, may not
+        be read yet, and reading it then waits behind the whole file's read
+        (110 small reads took 19 ms of a 25 ms 50 MB load here). So the data
+        is taken where torch's writer puts it; predictions_hold() checks
+        every such guess against the local headers once the file is read."""
+        name = "data/" + key
+        r = self.index.entry(name)
+        if r._data_offset >= 0:
+            return self._record_storage(name, nbytes)
+        if r.stat_problem or nbytes != r.size:
+            return self._record_storage(name, nbytes)  # raises, worded as it would be after the read
+        offset = aligned_data_offset(r.header_offset, len(r.full_name), r.size, alignment)
+        if offset + nbytes > self.index.file_size:
+            raise self.index._error(f"record '{name}' cannot be where torch's writer puts it")
+        self._guessed[r.name] = (r, offset)
+        return self._storage[offset:offset + nbytes]
+
+    def predictions_hold(self) -> bool:
+        """Whether every data offset storage_for_key guessed is the one the
+        record's local header gives (read_at reads them from memory by now)."""
+        self.index.resolve(self._read_at, [r for r, _ in self._guessed.values()], strict=False)
+        return all(r._data_offset == offset for r, offset in self._guessed.values())
+
+    def _record_storage(self, name: str, nbytes: int):
         if self._storage is None:
             raise RuntimeError("this reader has no file image to take storages from (a layout-only load)")
         r = self.index.entry(name)
@@ -1023,8 +1069,8 @@ class TorchArchiveReader:
         if nbytes != r.size:  # torch.load's check too
             raise self.index._error(f"record '{name}' holds {r.size} bytes, but the pickle says {nbytes}; "
                                     "the file is corrupt")
-        offset = self.get_record_offset(name)
-        return torch.empty(0, dtype=torch.uint8).set_(self._storage[offset:offset + nbytes])
+        self.index.resolve(self._read_at, [r])
+        return self._storage[r.data_offset:r.data_offset + nbytes]
 
 
 __all__ = [

@@ -285,6 +285,94 @@ def test_other_pickles_go_to_torchs_unpickler(folder, monkeypatch):
     assert sum("pickle protocol 4" in str(w.message) for w in caught) == 2
 
 
+class _PlainStateSpy:
+    """Counts the loads _torch_api.unpickle_plain_state built (results) and
+    those it handed back to torch's path (refusals)."""
+
+    def __init__(self, monkeypatch):
+        from fastpersist import _torch_api
+
+        self.results = self.refusals = 0
+        real = _torch_api.unpickle_plain_state
+
+        def spy(*args, **kwargs):
+            try:
+                got = real(*args, **kwargs)
+            except _torch_api.NotPlainState:
+                self.refusals += 1
+                raise
+            self.results += 1
+            return got
+        monkeypatch.setattr(_torch_api, "unpickle_plain_state", spy)
+
+
+@pytest.mark.parametrize("alignment", [64, 4096])
+def test_plain_state_dicts_are_built_while_the_file_is_read(folder, monkeypatch, alignment):
+    # The tensors are built over the file's memory while it is read: the read
+    # below cannot start until unpickling has begun, so a load that unpickled
+    # only after its read would time out here (and fail the assertion).
+    import importlib
+    import threading
+
+    from torch.utils.serialization import config
+
+    load_module = importlib.import_module("fastpersist.load")
+    monkeypatch.setattr(config.save, "storage_alignment", alignment)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5))
+    state = {"model": model.state_dict(), "params": list(model.parameters()), "view": torch.arange(20.)[3:9:2],
+             "tied": model[0].weight, "empty": torch.empty(0), "empty2": torch.empty(0, 3), "step": 3,
+             "half": torch.ones(4, dtype=torch.float16), "flag": torch.tensor([True, False])}
+    original_save()(state, folder / "torch.pt")
+    fastpersist.save(state, folder / "fp.pt")
+    spy = _PlainStateSpy(monkeypatch)
+    unpickling = threading.Event()
+    real_unpickle, real_read = load_module._torch_api.unpickle_plain_state, load_module._CheckpointImage.read_extents
+
+    def unpickle(*args, **kwargs):
+        unpickling.set()
+        return real_unpickle(*args, **kwargs)
+
+    waited = []
+
+    def read_extents(image, extents, checksums, started=None):
+        if started is not None:
+            started.set()
+        waited.append(unpickling.wait(10))
+        return real_read(image, extents, checksums)
+
+    monkeypatch.setattr(load_module._torch_api, "unpickle_plain_state", unpickle)
+    monkeypatch.setattr(load_module._CheckpointImage, "read_extents", read_extents)
+    for name in ("torch.pt", "fp.pt"):
+        for kwargs in ({}, {"weights_only": False}, {"map_location": "cpu"}, {"map_location": torch.device("cpu")}):
+            unpickling.clear()
+            got = same_as_torch(folder / name, **kwargs)
+            assert waited.pop() is True
+            assert got["tied"].data_ptr() == got["model"]["0.weight"].data_ptr()
+    assert spy.results == 8 and spy.refusals == 0
+
+
+def test_what_the_plain_state_path_hands_to_torch(folder, monkeypatch):
+    # each load below is torch's to make, and gives torch's result
+    import zipfile
+
+    state = {"w": torch.arange(12.).reshape(3, 4), "b": torch.ones(3, dtype=torch.float64)}
+    original_save()(state, folder / "s.pt")
+    with zipfile.ZipFile(folder / "s.pt") as src, zipfile.ZipFile(folder / "foreign.pt", "w") as dst:
+        for info in src.infolist():  # Python's zipfile: no padding, the data elsewhere than torch puts it
+            dst.writestr(info.filename, src.read(info))
+    spy = _PlainStateSpy(monkeypatch)
+    same_as_torch(folder / "foreign.pt")  # guessed offsets found wrong after the read: torch's path
+    assert spy.results == 1
+    same_as_torch(folder / "s.pt", map_location=lambda storage, location: storage)
+    same_as_torch(folder / "s.pt", map_location={"cpu": "cpu"})
+    assert spy.refusals == 2
+    original_save()({"t": torch.ones(2), "dtype": torch.float16}, folder / "g.pt")
+    same_as_torch(folder / "g.pt")
+    assert spy.refusals == 3
+    fastpersist.load(folder / "s.pt", verify=True)  # verified before anything is unpickled
+    assert (spy.results, spy.refusals) == (1, 3)
+
+
 def test_the_fast_paths_globals_are_allowed_by_torch_too():
     # should a torch release drop one from its allowlist, the fast path must drop it as well
     from fastpersist import _torch_api

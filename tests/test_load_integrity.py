@@ -64,14 +64,14 @@ def test_file_shrinking_during_the_read(folder, monkeypatch):
     load_module = importlib.import_module("fastpersist.load")
     monkeypatch.setenv("FASTPERSIST_LOAD_MEMORY_SECONDS", "600")  # kept, however slow this machine is
     path = checkpoint(folder)
-    real_read_all = load_module._CheckpointImage.read_all
+    real_start_reading = load_module._CheckpointImage.start_reading
 
     def cut_then_read(image):
         with open(path, "r+b") as f:
             f.truncate(image.size // 2)
-        return real_read_all(image)
+        return real_start_reading(image)
 
-    monkeypatch.setattr(load_module._CheckpointImage, "read_all", cut_then_read)
+    monkeypatch.setattr(load_module._CheckpointImage, "start_reading", cut_then_read)
     load_module.release_load_memory()
     with pytest.raises(CheckpointError, match=r"c.pt: the file ended before its \d+ bytes were read"):
         fastpersist.load(path)

@@ -4,7 +4,6 @@ fresh.FreshProcesses; the result goes back through a pipe as a dict:
 ``{"ok": True, "seconds": ..., "phases": {...}, ...}``."""
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import time
@@ -59,6 +58,7 @@ def _load(spec: dict) -> dict:
     import fastpersist
     from fastpersist.patching import original_load
 
+    from . import common
     from .common import PhaseClock, options_for_load, touch_all
 
     path, mechanism = spec["path"], spec["mechanism"]
@@ -67,8 +67,6 @@ def _load(spec: dict) -> dict:
     size = os.path.getsize(path)
     if mechanism in ("raw engine read, from scratch", "raw engine read, all set up"):
         from fastpersist import _engine
-
-        from . import common
 
         # From scratch, the ceiling of a load here: the file's bytes into
         # memory mapped now (as fastpersist.load maps it, faulted in during
@@ -105,11 +103,7 @@ def _load(spec: dict) -> dict:
 
     with PhaseClock() as clock:
         if mechanism == "fastpersist.load":
-            from fastpersist import _engine
-
-            clock.hook(_engine, "acquire", "engine start")
-            clock.hook(getattr(importlib.import_module("fastpersist.load"), "_CheckpointImage", None),
-                       "read_all", "read")
+            common.hook_load_read(clock)
         start = time.perf_counter()
         if mechanism == "torch.load":
             obj = original_load()(path, weights_only=True)
@@ -123,11 +117,7 @@ def _load(spec: dict) -> dict:
         loaded = time.perf_counter()
     touch_all(obj)
     end = time.perf_counter()
-    phases = {"load": loaded - start}
-    if "read" in clock.seconds:  # the engine starts inside the read
-        phases = {"engine start": clock.seconds.get("engine start", 0.0),
-                  "read": clock.seconds["read"] - clock.seconds.get("engine start", 0.0),
-                  "unpickle etc.": max(0.0, loaded - start - clock.seconds["read"])}
+    phases = common.load_phases(clock, loaded - start)
     phases["touch"] = end - loaded
     return {"seconds": end - start, "phases": phases}
 

@@ -533,6 +533,25 @@ def round_order(items: Sequence, round_index: int) -> list:
     return order
 
 
+def hook_load_read(clock: "PhaseClock") -> None:
+    """Times how long fastpersist.load waits for its file's read: the read runs
+    on a thread while the pickle is unpickled, so the rest is what is not
+    hidden behind it."""
+    import importlib
+
+    clock.hook(getattr(importlib.import_module("fastpersist.load"), "_CheckpointImage", None),
+               "finish_reading", "read")
+
+
+def load_phases(clock: "PhaseClock", seconds: float) -> dict:
+    """A fastpersist.load's phases for hook_load_read's clock: what ran before
+    and beside its read (open, unpickling) and the wait for the read after it."""
+    if "read" not in clock.seconds:
+        return {"load": seconds}
+    waited = clock.seconds["read"]
+    return {"open + unpickle during the read": max(0.0, seconds - waited), "rest of the read": waited}
+
+
 class PhaseClock:
     """Seconds spent inside functions, by name, while hooks are installed.
 

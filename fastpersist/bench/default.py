@@ -264,17 +264,12 @@ class DefaultBench:
                     loaded = time.perf_counter()
                 common.touch_all(kept[-1])
                 end = time.perf_counter()
-                phases = {"load": loaded - start}
-                if "read" in clock.seconds:
-                    phases = {"read": clock.seconds["read"],
-                              "unpickle etc.": max(0.0, loaded - start - clock.seconds["read"])}
+                phases = common.load_phases(clock, loaded - start)
                 phases["touch"] = end - loaded
                 return end - start, phases
             return measure
 
-        def read_hook(clock):
-            clock.hook(getattr(importlib.import_module("fastpersist.load"), "_CheckpointImage", None),
-                       "read_all", "read")
+        read_hook = common.hook_load_read
 
         def with_options(engine):
             def load():
