@@ -280,9 +280,10 @@ class NotPlainState(Exception):
     """unpickle_plain_state does not apply: torch's own _load must run."""
 
 
-def _is_cpu_map_location(map_location) -> bool:
+def _is_cpu_or_meta(map_location) -> bool:
     return map_location is None or (isinstance(map_location, (str, torch.device))
-                                    and torch.device(map_location) == torch.device("cpu"))
+                                    and torch.device(map_location).type in ("cpu", "meta")
+                                    and torch.device(map_location).index is None)
 
 
 def unpickle_plain_state(zip_reader, storage_for, map_location, *, encoding: str = "utf-8"):
@@ -294,8 +295,10 @@ def unpickle_plain_state(zip_reader, storage_for, map_location, *, encoding: str
     _rebuild_parameter over TypedStorages made as _load makes them; nothing
     reads tensor data, so the caller may still be reading it into the
     storages storage_for(key, nbytes, storage_alignment) returns (slices of
-    one file image). The caller logs what _load logs at its end
-    (log_load_metadata), once the serialization id can be read cheaply.
+    one file image; for map_location "meta", meta storages that say where
+    their data is, as torch's meta loads do). The caller logs what _load logs
+    at its end (log_load_metadata), once the serialization id can be read
+    cheaply.
     Raises NotPlainState, before any data is needed, wherever torch's path
     must decide: a global outside PLAIN_STATE_GLOBALS and the storage
     classes, a storage saved from another device or mapped elsewhere, a file
@@ -304,7 +307,7 @@ def unpickle_plain_state(zip_reader, storage_for, map_location, *, encoding: str
     choice: this one allows only what both allow."""
     from torch.serialization import LoadEndianness, get_default_load_endianness
 
-    if not _is_cpu_map_location(map_location):
+    if not _is_cpu_or_meta(map_location):
         raise NotPlainState("map_location")
     # what _load reads before the pickle (each a CRC-checked record here)
     if zip_reader.has_record(".format_version"):

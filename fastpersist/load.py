@@ -311,17 +311,18 @@ class _CheckpointImage:
             os.posix_fadvise(self.fd, r.header_offset, end - r.header_offset, os.POSIX_FADV_WILLNEED)
             os.pread(self.fd, 1, r.header_offset)  # waits for the first of those pages
 
-    def prefetch_local_headers(self) -> None:
+    def prefetch_local_headers(self, resolve: bool = True) -> None:
         """Finds where every record's data starts before the layout pass asks
         record by record. Each answer is in the record's local header, a
         small read somewhere in the file: one pread after another, cold, took
         18 ms for GPT-2's 269 records here; asking the kernel to read them
         all ahead first (POSIX_FADV_WILLNEED starts the reads, not waiting
-        for them), 4 ms."""
+        for them), 4 ms. resolve=False only starts the reads."""
         for r in self.index.records.values():
             if 0 <= r.header_offset < self.size:
                 os.posix_fadvise(self.fd, r.header_offset, 4096, os.POSIX_FADV_WILLNEED)
-        self.index.resolve(self.read_at)  # lenient: a record torch would refuse raises where it is used
+        if resolve:
+            self.index.resolve(self.read_at)  # lenient: a record torch would refuse raises where it is used
 
     def read_extents(self, extents: list, checksums: bool, started: Optional[threading.Event] = None) -> dict:
         """Reads (address, offset, nbytes) extents of the file (fileio.read_extents'
@@ -628,12 +629,7 @@ def load_into(target, f, *, strict: bool = True, verify: bool = False, weights_o
                               "this one is legacy, TorchScript or compressed")
     with image:
         reader = _NativeOrderReader(image.index, image.read_at, source=path)
-        image.prefetch_local_headers()
-        # shapes and file places only; no tensor data read
-        if weights_only:
-            stored = _torch_api.unpickle_weights_only(reader, "meta")
-        else:
-            stored = _torch_api.unpickle_from(reader, "meta", pickle)
+        stored = _layout(image, reader, weights_only)
         if is_module:  # a module's keys are already dotted paths: match them as single keys
             stored_flat = {(_key(k),): v for k, v in _flatten(stored, "state dict").items()}
             target_flat = {(k,): v for k, v in target.state_dict(keep_vars=True).items()}
@@ -643,6 +639,27 @@ def load_into(target, f, *, strict: bool = True, verify: bool = False, weights_o
         plan = _plan(image, stored_flat, target_flat, strict, is_module, target)
         plan.execute(image, verify)
     return IncompatibleKeys(plan.missing, plan.unexpected)
+
+
+def _layout(image: _CheckpointImage, reader: TorchArchiveReader, weights_only: bool):
+    """The checkpoint's objects with meta tensors: shapes and file places
+    only, no tensor data read. A plain state dict is unpickled while the
+    local headers that say where each record's data starts are still being
+    fetched, with the places guessed (see storage_for_key), and used once
+    the headers confirm every guess."""
+    image.prefetch_local_headers(resolve=False)
+    if _plain_state_may_apply(reader, "meta", weights_only, None if weights_only else pickle, {}):
+        try:
+            stored = _torch_api.unpickle_plain_state(reader, reader.layout_storage_for_key, "meta")
+        except _torch_api.NotPlainState:
+            pass
+        else:
+            if reader.predictions_hold():
+                return stored
+    image.index.resolve(image.read_at)  # lenient: a record torch would refuse raises where it is used
+    if weights_only:
+        return _torch_api.unpickle_weights_only(reader, "meta")
+    return _torch_api.unpickle_from(reader, "meta", pickle)
 
 
 class _NativeOrderReader(TorchArchiveReader):

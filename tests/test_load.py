@@ -371,6 +371,12 @@ def test_what_the_plain_state_path_hands_to_torch(folder, monkeypatch):
     assert spy.refusals == 3
     fastpersist.load(folder / "s.pt", verify=True)  # verified before anything is unpickled
     assert (spy.results, spy.refusals) == (1, 3)
+    # load_into's layout pass: the same guesses, checked before any tensor is written
+    for name, built in (("s.pt", 2), ("foreign.pt", 3)):
+        target = {"w": torch.zeros(3, 4), "b": torch.zeros(3, dtype=torch.float64)}
+        fastpersist.load_into(target, folder / name)
+        assert torch.equal(target["w"], state["w"]) and torch.equal(target["b"], state["b"])
+        assert spy.results == built
 
 
 def test_the_fast_paths_globals_are_allowed_by_torch_too():
