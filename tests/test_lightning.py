@@ -132,3 +132,18 @@ def test_file_urls_are_local_paths(tmp_path):
     assert not (tmp_path / "sub" / "x.ckpt").exists()
     with pytest.raises(FileNotFoundError, match="x.ckpt"):
         plugin.load_checkpoint(url)
+
+
+def test_the_checkpoint_benchmark_runs(tmp_path):
+    # benchmarks/lightning_checkpoint.py at its smallest: every plugin and reference measured and reported
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "lightning_checkpoint.py")
+    out = subprocess.run([sys.executable, script, "--layers", "1", "--repeats", "1", "--folder", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {line.split("  ")[0] for line in out.stdout.splitlines()}
+    assert {"TorchCheckpointIO", "AsyncCheckpointIO", "FastPersistCheckpointIO", "AsyncFastPersistCheckpointIO",
+            "copy_ of the state", "raw engine write"} <= rows
+    assert os.listdir(tmp_path) == []  # its checkpoints removed
