@@ -13,7 +13,6 @@ step-numbered checkpoints are.
 
     python benchmarks/deepspeed_save_model.py --layers 12 --repeats 5
 """
-import argparse
 import dataclasses
 import os
 import random
@@ -47,17 +46,14 @@ def _fsync_tree(folder: str) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=12, help="GPT-2 small layers (default: 12)")
-    parser.add_argument("--repeats", type=int, default=5, help="rounds (default: 5)")
-    parser.add_argument("--folder", default=None, help="where checkpoints go (default: a temporary folder here)")
-    args = parser.parse_args(argv)
-
+    # before fastpersist is imported: DeepSpeed's torch engine calls the torch.save it would otherwise patch
     for key, value in (("DS_ACCELERATOR", "cpu"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(_free_port())),
                        ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("FASTPERSIST_AUTOPATCH", "0")):
         os.environ.setdefault(key, value)
+    from fastpersist.bench import common
+
+    args = common.model_script_arguments(__doc__, argv, layers=12, repeats=5)
     import deepspeed
-    import torch
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
     from fastpersist.bench import models

@@ -16,7 +16,6 @@ save. Shuffled rounds after one warm-up round; medians and per-round ratios.
 
     python benchmarks/lightning_checkpoint.py --layers 12 --repeats 5
 """
-import argparse
 import dataclasses
 import os
 import statistics
@@ -28,19 +27,18 @@ REFERENCES = ("copy_ of the state", "raw engine write")
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=12, help="GPT-2 small layers (default: 12)")
-    parser.add_argument("--repeats", type=int, default=5, help="rounds (default: 5)")
-    parser.add_argument("--folder", default=None, help="where checkpoints go (default: a temporary folder here)")
-    args = parser.parse_args(argv)
-    os.environ.setdefault("FASTPERSIST_AUTOPATCH", "0")  # Lightning's plugins write as they do without fastpersist
+    # before fastpersist is imported: Lightning's plugins write as they do without it
+    os.environ.setdefault("FASTPERSIST_AUTOPATCH", "0")
+    from fastpersist.bench import common
+
+    args = common.model_script_arguments(__doc__, argv, layers=12, repeats=5)
 
     import lightning
     import torch
     from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 
     from fastpersist import FastFileWriter
-    from fastpersist.bench import common, models
+    from fastpersist.bench import models
     from fastpersist.integrations.lightning import AsyncFastPersistCheckpointIO, FastPersistCheckpointIO
 
     config = dataclasses.replace(models.CONFIGS["gpt2"], layers=args.layers)

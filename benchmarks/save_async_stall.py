@@ -7,7 +7,6 @@ one warm-up round; medians and per-round ratios.
 
     python benchmarks/save_async_stall.py --layers 30 --repeats 9
 """
-import argparse
 import dataclasses
 import os
 import random
@@ -17,11 +16,9 @@ import time
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=30, help="GPT-2 small layers (default: 30, 1.0 GB)")
-    parser.add_argument("--repeats", type=int, default=9, help="rounds (default: 9)")
-    parser.add_argument("--folder", default=None, help="where checkpoints go (default: a temporary folder here)")
-    args = parser.parse_args(argv)
+    from fastpersist.bench import common
+
+    args = common.model_script_arguments(__doc__, argv, layers=30, repeats=9, layers_note=", 1.0 GB")
 
     import torch
 

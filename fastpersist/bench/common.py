@@ -520,6 +520,19 @@ def machine_lines(info: dict) -> list:
 # timing
 
 
+def model_script_arguments(doc: str, argv, layers: int, repeats: int, layers_note: str = ""):
+    """The arguments the benchmarks/ scripts on a GPT-2-shaped model share:
+    --layers (GPT-2 small's, that many), --repeats (rounds) and --folder."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=layers,
+                        help=f"GPT-2 small layers (default: {layers}{layers_note})")
+    parser.add_argument("--repeats", type=int, default=repeats, help=f"rounds (default: {repeats})")
+    parser.add_argument("--folder", default=None, help="where checkpoints go (default: a temporary folder here)")
+    return parser.parse_args(argv)
+
+
 def round_order(items: Sequence, round_index: int) -> list:
     """The order of round r: round 0 as given, later rounds shuffled (seeded
     by r, so a run can be repeated). Shuffled rather than rotated: rotating
