@@ -276,14 +276,27 @@ class _NeedsTorchUnpickler(pickle.UnpicklingError):
     pass
 
 
+class _PlainStateWithStorages(_PlainStateUnpickler):
+    """_PlainStateUnpickler resolving the storage classes as torch's _load
+    does (to StorageType), for unpickle_plain_state, which runs without _load."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _STORAGE_GLOBALS:
+            return _ts.StorageType(name)
+        return super().find_class(module, name)
+
+
 class NotPlainState(Exception):
     """unpickle_plain_state does not apply: torch's own _load must run."""
 
 
 def _is_cpu_or_meta(map_location) -> bool:
-    return map_location is None or (isinstance(map_location, (str, torch.device))
-                                    and torch.device(map_location).type in ("cpu", "meta")
-                                    and torch.device(map_location).index is None)
+    if map_location is None:
+        return True
+    if not isinstance(map_location, (str, torch.device)):
+        return False
+    device = torch.device(map_location)
+    return device.type in ("cpu", "meta") and device.index is None
 
 
 def unpickle_plain_state(zip_reader, storage_for, map_location, *, encoding: str = "utf-8"):
@@ -342,14 +355,8 @@ def unpickle_plain_state(zip_reader, storage_for, map_location, *, encoding: str
                 storages[key] = typed
         return typed
 
-    class Unpickler(_PlainStateUnpickler):
-        def find_class(self, module, name):
-            if (module, name) in _STORAGE_GLOBALS:
-                return _ts.StorageType(name)
-            return super().find_class(module, name)
-
     try:
-        unpickler = Unpickler(io.BytesIO(zip_reader.get_record("data.pkl")), encoding=encoding)
+        unpickler = _PlainStateWithStorages(io.BytesIO(zip_reader.get_record("data.pkl")), encoding=encoding)
         unpickler.persistent_load = persistent_load
         _ts._serialization_tls.map_location = map_location
         try:

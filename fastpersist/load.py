@@ -44,7 +44,7 @@ _TRUE = ("1", "y", "yes", "true")
 # fastpersist.load
 
 # Below this, a load with no engine idle reads without one (see
-# _CheckpointImage._read_without_engine); one idle is used at any size.
+# _CheckpointImage.read_extents); one idle is used at any size.
 SMALL_LOAD_BYTES = 64 << 20
 
 
@@ -111,8 +111,7 @@ def load(f, map_location=None, pickle_module=None, *, weights_only: Optional[boo
         load_args = dict(pickle_load_args)
         load_args.setdefault("encoding", "utf-8")
 
-        reader = TorchArchiveReader(image.index, image.read_at, None, path)
-        plain = not verify and _plain_state_may_apply(reader, map_location, weights_only, pickle_module,
+        plain = not verify and _plain_state_may_apply(image.index.has_checksums, weights_only, pickle_module,
                                                       pickle_load_args)
         if plain:
             # The pickle and the small records beside it, before the bulk
@@ -163,8 +162,7 @@ def load(f, map_location=None, pickle_module=None, *, weights_only: Optional[boo
 _NOT_LOADED = object()
 
 
-def _plain_state_may_apply(reader: TorchArchiveReader, map_location, weights_only: bool, pickle_module,
-                           pickle_load_args: dict) -> bool:
+def _plain_state_may_apply(checksummed: bool, weights_only: bool, pickle_module, pickle_load_args: dict) -> bool:
     """Whether _torch_api.unpickle_plain_state may try the pickle while its
     tensors are being read: it allows only globals that both of torch's
     unpicklers allow, so with weights_only=False only for the standard pickle
@@ -174,7 +172,7 @@ def _plain_state_may_apply(reader: TorchArchiveReader, map_location, weights_onl
     if set(pickle_load_args) - {"encoding"}:
         return False
     if weights_only:
-        return reader.records_checked
+        return checksummed
     return pickle_module is pickle
 
 
@@ -183,7 +181,7 @@ def _is_plain_path(f) -> bool:
 
 
 class _CheckpointImage:
-    """An open checkpoint file, its index, and (after read_all) its bytes in
+    """An open checkpoint file, its index, and (after finish_reading) its bytes in
     page-aligned memory."""
 
     def __init__(self, path: str, fd: int, size: int, index: ArchiveIndex, options: Options):
@@ -191,6 +189,7 @@ class _CheckpointImage:
         self.memory: Optional[_mmap.mmap] = None
         self.view: Optional[memoryview] = None
         self._reading: Optional[threading.Thread] = None
+        self._read_error: Optional[BaseException] = None  # what start_reading's thread raised
         self._storage_made = False
 
     @classmethod
@@ -225,10 +224,6 @@ class _CheckpointImage:
             _freed_images.give_back(self.memory)  # a load that failed before its result was made
         self.memory = None
         _close_quietly(self.fd)
-
-    def read_all(self) -> None:
-        self.start_reading()
-        self.finish_reading()
 
     def start_reading(self) -> None:
         """Maps memory for the whole file and starts reading it there on a
@@ -274,7 +269,6 @@ class _CheckpointImage:
         # while the caller unpickles, up to the interpreter's switch interval
         # (5 ms) each time: that made a 20 ms read 2.4 ms slower here.
         started = threading.Event()
-        self._read_error: Optional[BaseException] = None
         self._reading = threading.Thread(target=read, name="fastpersist-load", daemon=True)
         self._reading.start()
         started.wait()
@@ -311,18 +305,15 @@ class _CheckpointImage:
             os.posix_fadvise(self.fd, r.header_offset, end - r.header_offset, os.POSIX_FADV_WILLNEED)
             os.pread(self.fd, 1, r.header_offset)  # waits for the first of those pages
 
-    def prefetch_local_headers(self, resolve: bool = True) -> None:
-        """Finds where every record's data starts before the layout pass asks
-        record by record. Each answer is in the record's local header, a
-        small read somewhere in the file: one pread after another, cold, took
-        18 ms for GPT-2's 269 records here; asking the kernel to read them
-        all ahead first (POSIX_FADV_WILLNEED starts the reads, not waiting
-        for them), 4 ms. resolve=False only starts the reads."""
+    def prefetch_local_headers(self) -> None:
+        """Starts reading every record's local header, which says where its
+        data starts, before the layout pass asks for them: one pread after
+        another, cold, took 18 ms for GPT-2's 269 records here; asking the
+        kernel to read them all ahead first (POSIX_FADV_WILLNEED starts the
+        reads, not waiting for them), 4 ms."""
         for r in self.index.records.values():
             if 0 <= r.header_offset < self.size:
                 os.posix_fadvise(self.fd, r.header_offset, 4096, os.POSIX_FADV_WILLNEED)
-        if resolve:
-            self.index.resolve(self.read_at)  # lenient: a record torch would refuse raises where it is used
 
     def read_extents(self, extents: list, checksums: bool, started: Optional[threading.Event] = None) -> dict:
         """Reads (address, offset, nbytes) extents of the file (fileio.read_extents'
@@ -647,8 +638,8 @@ def _layout(image: _CheckpointImage, reader: TorchArchiveReader, weights_only: b
     local headers that say where each record's data starts are still being
     fetched, with the places guessed (see storage_for_key), and used once
     the headers confirm every guess."""
-    image.prefetch_local_headers(resolve=False)
-    if _plain_state_may_apply(reader, "meta", weights_only, None if weights_only else pickle, {}):
+    image.prefetch_local_headers()
+    if _plain_state_may_apply(reader.records_checked, weights_only, None if weights_only else pickle, {}):
         try:
             stored = _torch_api.unpickle_plain_state(reader, reader.layout_storage_for_key, "meta")
         except _torch_api.NotPlainState:

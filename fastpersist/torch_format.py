@@ -1067,13 +1067,12 @@ class TorchArchiveReader:
         self._guessed[r.name] = (r, offset)
         return offset
 
-    def _check_size(self, r: RecordEntry, nbytes: int) -> bool:
+    def _check_size(self, r: RecordEntry, nbytes: int) -> None:
         if r.stat_problem:
             raise self.index._error(r.stat_problem)
         if nbytes != r.size:  # torch.load's check too
             raise self.index._error(f"record '{r.name}' holds {r.size} bytes, but the pickle says {nbytes}; "
                                     "the file is corrupt")
-        return True
 
     def predictions_hold(self) -> bool:
         """Whether every data offset storage_for_key guessed is the one the
