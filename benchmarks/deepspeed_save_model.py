@@ -31,18 +31,12 @@ def _free_port() -> int:
 
 
 def _fsync_tree(folder: str) -> None:
+    from fastpersist.bench.common import fsync_path
+
     for root, _, files in os.walk(folder):
         for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fd = os.open(root, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            fsync_path(os.path.join(root, name))
+        fsync_path(root)
 
 
 def main(argv=None) -> None:

@@ -46,11 +46,6 @@ def adam_state(model: torch.nn.Module) -> dict:
     return {"state": state, "param_groups": [group]}
 
 
-def storage_bytes(obj) -> int:
-    """Bytes of distinct storages: what the checkpoint holds besides its pickle."""
-    return sum(s.nbytes() for s in common.distinct_storages(obj))
-
-
 def model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="gpt2-large", choices=models.names(), help="model to build (see --list)")
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="parameter dtype")
@@ -72,7 +67,7 @@ def build_checkpoint(args) -> tuple[dict, float]:
 def describe(args, checkpoint: dict, built: float) -> str:
     return (f"torch {torch.__version__}; model {args.model} ({models.get_config(args.model).note}): "
             f"{models.param_count(args.model):,} params, {args.dtype}"
-            f"{' + Adam state' if args.optimizer else ''}; checkpoint {storage_bytes(checkpoint) / 1e9:.2f} GB "
+            f"{' + Adam state' if args.optimizer else ''}; checkpoint {common.storage_bytes(checkpoint) / 1e9:.2f} GB "
             f"of tensor data ({len(checkpoint['model'])} model keys; built in {built:.1f} s)")
 
 

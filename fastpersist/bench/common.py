@@ -1,5 +1,5 @@
 """What every ``fastpersist bench`` command shares: the folder it works in,
-dropping the page cache, the machine's description, fresh processes,
+dropping the page cache, the machine's description,
 interleaved rounds, medians, tables and the CSV and JSON files.
 
 Units: GB = 10^9 bytes, GiB = 2^30 bytes; times are medians of rounds, and
@@ -510,10 +510,6 @@ def machine_lines(info: dict) -> list:
                   + f", {kind}, scheduler {device['scheduler']}")
     lines.append(f"folder: {info['folder']} -- {where}; O_DIRECT {info['o_direct']}")
     return lines
-
-
-# ---------------------------------------------------------------------------
-# fresh processes
 
 
 # ---------------------------------------------------------------------------

@@ -269,7 +269,6 @@ class DefaultBench:
                 return end - start, phases
             return measure
 
-        read_hook = common.hook_load_read
 
         def with_options(engine):
             def load():
@@ -311,7 +310,7 @@ class DefaultBench:
                              prepare, cleanup))
         for engine in self.engines:
             out.append(Mechanism(Series(operation, "fastpersist.load", engine, role="fastpersist"),
-                                 timed_load(with_options(engine), read_hook), prepare, cleanup))
+                                 timed_load(with_options(engine), common.hook_load_read), prepare, cleanup))
             out.append(Mechanism(Series(operation, "fastpersist.load_into (existing model)", engine,
                                         role="fastpersist"), load_into(engine), prepare, cleanup))
             out.append(Mechanism(Series(operation, "raw engine read (ceiling)", engine, role="ceiling"),
