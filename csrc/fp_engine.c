@@ -520,7 +520,7 @@ static int start_operation(struct fp_engine *e, int direct_fd, int buffered_fd)
     int rc = fp_engine_usable(e);
     if (rc < 0)
         return rc;
-    if (e->stream_active)
+    if (e->stream_active || e->read_active)
         return -EBUSY;
     if (buffered_fd < 0)
         return -EBADF;
@@ -979,6 +979,100 @@ int64_t fp_pread(struct fp_engine *e, int direct_fd, int buffered_fd, void *dst,
     if (e->read_eof < end)
         return (int64_t)(e->read_eof > offset ? e->read_eof - offset : 0);
     return (int64_t)n;
+}
+
+/* ---- pull read stream ------------------------------------------------- */
+
+/* Queues chunks into every buffer the consumer does not hold. */
+static int read_ahead(struct fp_engine *e)
+{
+    size_t nb = (size_t)e->cfg.num_buffers;
+    int direct = e->direct_fd >= 0;
+    while (!e->error && e->r_next < e->r_stop && e->r_issued < e->r_released + nb) {
+        int b = (int)(e->r_issued % nb);
+        uint64_t start = e->r_next;
+        uint64_t end = e->r_stop - start > e->cfg.buffer_size ? start + e->cfg.buffer_size : e->r_stop;
+        e->r_start[b] = start;
+        e->r_end[b] = end;
+        queue_range(e, direct ? e->direct_fd : e->buffered_fd, 0, direct, b, fp_engine_buffer(e, b),
+                    (size_t)(end - start), start);
+        e->r_next = end;
+        e->r_issued++;
+    }
+    if (!e->error && !e->cannot_submit)
+        kick(e); /* in the kernel's hands while the consumer works */
+    return e->error;
+}
+
+int fp_read_begin(struct fp_engine *e, int direct_fd, int buffered_fd, uint64_t offset, uint64_t length)
+{
+    if (length > UINT64_MAX - 2 * FP_ALIGN || offset > UINT64_MAX - 2 * FP_ALIGN - length)
+        return -EINVAL;
+    int rc = start_operation(e, direct_fd, buffered_fd);
+    if (rc < 0)
+        return rc;
+    e->read_active = 1;
+    e->read_eof = UINT64_MAX;
+    e->r_lo = offset;
+    e->r_hi = offset + length;
+    /* aligned chunks, so that O_DIRECT can read each whole into its buffer */
+    e->r_next = align_down(offset);
+    e->r_stop = length ? align_up(offset + length) : e->r_next;
+    e->r_issued = e->r_handed = e->r_released = 0;
+    return read_ahead(e);
+}
+
+int fp_read_next(struct fp_engine *e, int *index, const void **data, size_t *len, uint64_t *offset)
+{
+    if (forked(e))
+        return -ECHILD;
+    if (!e->read_active || !index || !data || !len || !offset)
+        return -EINVAL;
+    if (e->error)
+        return e->error;
+    if (e->r_handed == e->r_issued)
+        return e->r_next < e->r_stop ? -EBUSY : 0;
+    int b = (int)(e->r_handed % (size_t)e->cfg.num_buffers);
+    while (e->buf_pending[b] > 0 && !e->error)
+        wait_one(e);
+    if (e->error)
+        return e->error;
+    uint64_t lo = e->r_start[b] > e->r_lo ? e->r_start[b] : e->r_lo;
+    uint64_t hi = e->r_end[b] < e->r_hi ? e->r_end[b] : e->r_hi;
+    if (e->read_eof < hi)
+        hi = e->read_eof;
+    if (hi <= lo)
+        return 0; /* the file ended */
+    *index = b;
+    *data = fp_engine_buffer(e, b) + (lo - e->r_start[b]);
+    *len = (size_t)(hi - lo);
+    *offset = lo;
+    e->r_handed++;
+    return 1;
+}
+
+int fp_read_release(struct fp_engine *e, int index)
+{
+    if (forked(e))
+        return -ECHILD;
+    if (!e->read_active || e->r_released == e->r_handed
+        || index != (int)(e->r_released % (size_t)e->cfg.num_buffers))
+        return -EINVAL;
+    e->r_released++;
+    return read_ahead(e);
+}
+
+int fp_read_end(struct fp_engine *e)
+{
+    if (forked(e)) {
+        e->read_active = 0;
+        return -ECHILD;
+    }
+    if (!e->read_active)
+        return -EINVAL;
+    wait_all(e);
+    e->read_active = 0;
+    return e->error;
 }
 
 /* fp_copy_many: each thread copies the bytes [lo, hi) of the items laid end

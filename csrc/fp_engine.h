@@ -164,6 +164,29 @@ struct fp_extent {
 int64_t fp_read_extents(struct fp_engine *e, int direct_fd, int buffered_fd,
                         const struct fp_extent *extents, size_t count, uint32_t *crcs);
 
+/*
+ * Pull read stream, for a consumer that takes the bytes out of the engine's
+ * buffers itself (a host-to-device copy): the file range [offset, offset +
+ * length) is read in file order into the buffers, whole buffers in flight
+ * (aligned chunks on direct_fd, as fp_read_extents), and handed over one
+ * buffer at a time. One stream per engine; nothing else runs meanwhile
+ * (-EBUSY).
+ *
+ * fp_read_next waits for the next buffer in file order and returns 1 with
+ * *index the buffer, *data and *len its bytes of the range (len > 0) and
+ * *offset the file offset of data[0]; 0 once the range, or the file, has
+ * ended. A buffer stays the consumer's until fp_read_release(e, index),
+ * which must release them in the order they were handed (-EINVAL
+ * otherwise); the engine reads the next chunk into it then. With every
+ * buffer held nothing can be read ahead: fp_read_next returns -EBUSY.
+ * fp_read_end waits for the reads in flight and ends the stream (held
+ * buffers count as released); it returns the stream's first error.
+ */
+int fp_read_begin(struct fp_engine *e, int direct_fd, int buffered_fd, uint64_t offset, uint64_t length);
+int fp_read_next(struct fp_engine *e, int *index, const void **data, size_t *len, uint64_t *offset);
+int fp_read_release(struct fp_engine *e, int index);
+int fp_read_end(struct fp_engine *e);
+
 /* CRC-32 as zlib computes it, with the fastest implementation installed. */
 uint32_t fp_crc32(uint32_t crc, const void *buf, size_t n);
 /* 1 where fp_crc32 runs ISA-L's CRC (libisal.so.2, loaded at run time), 0

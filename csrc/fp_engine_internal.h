@@ -95,6 +95,13 @@ struct fp_engine {
 
     /* pread */
     uint64_t read_eof;      /* lowest offset where a read hit end of file */
+
+    /* pull read stream (fp_read_begin) */
+    int read_active;
+    uint64_t r_lo, r_hi;    /* the range asked for */
+    uint64_t r_next, r_stop; /* aligned: the next chunk's start, the end of the last */
+    size_t r_issued, r_handed, r_released; /* chunks queued / handed over / given back */
+    uint64_t r_start[FP_MAX_NUM_BUFFERS], r_end[FP_MAX_NUM_BUFFERS]; /* the chunk in each buffer */
 };
 
 void fp__complete(struct fp_engine *e, struct fp_request *r, int64_t res);

@@ -109,15 +109,42 @@ class Engine:
         rc = lib.fp_engine_create(cfg, out)
         if rc < 0:
             raise OSError(-rc, f"cannot start the {kind} engine: {os.strerror(-rc)}")
-        self._handle = ffi.gc(out[0], lib.fp_engine_destroy)
+        hooks: list = []
+        self._before_destroy = hooks  # the destructor holds the list, not the engine
+
+        def destroy(handle, creator=os.getpid()):
+            if os.getpid() == creator:  # a forked child owns no buffers (nor their registrations)
+                for hook in hooks:
+                    try:
+                        hook()
+                    except Exception:  # a destructor cannot raise; the hook says what went wrong
+                        log.exception("fastpersist: a hook run before an engine's buffers are freed failed")
+            lib.fp_engine_destroy(handle)
+
+        self._handle = ffi.gc(out[0], destroy)
         self.kind = kind
         self.options = options
         self.memory_locked = bool(lib.fp_engine_memory_locked(self._handle))
         self.lock_errno = lib.fp_engine_lock_errno(self._handle)
         self._crc = ffi.new("uint32_t *")
+        self._pulled = None  # read_next's out-parameters, made on the first pull read
+        # buffers registered with CUDA (device_io.register_buffers): None not tried, False refused
+        self.device_registered: Optional[bool] = None
         self._path = None
         self.generation = generation  # the pool's, at creation (a fork starts a new one)
         self.pid = os.getpid()
+
+    def buffer_region(self) -> tuple:
+        """(address, nbytes) of the engine's buffers, one mapping, buffer i at
+        address + i * buffer_size."""
+        lib, ffi = _load()
+        address = int(ffi.cast("uintptr_t", lib.fp_engine_buffer(self._handle, 0)))
+        return address, self.options.buffer_size * self.options.num_buffers
+
+    def before_destroy(self, hook) -> None:
+        """Runs hook() just before the buffers are unmapped, in the creating
+        process only (a registration of the buffers with a device is undone there)."""
+        self._before_destroy.append(hook)
 
     # -- errors ---------------------------------------------------------
     @property
@@ -217,6 +244,35 @@ class Engine:
             lib.fp_pread(self._handle, direct_fd, buffered_fd, ffi.cast("void *", address), nbytes, offset),
             "read",
         )
+
+    def read_begin(self, direct_fd: int, buffered_fd: int, offset: int, length: int,
+                   path: Optional[str] = None) -> None:
+        """Starts a pull read of the file's bytes [offset, offset + length):
+        read_next() hands over the engine's buffers in file order."""
+        lib, ffi = _load()
+        self._path = path
+        if self._pulled is None:
+            self._pulled = (ffi.new("int *"), ffi.new("const void **"), ffi.new("size_t *"), ffi.new("uint64_t *"))
+        self._check(lib.fp_read_begin(self._handle, direct_fd, buffered_fd, offset, length), "read")
+
+    def read_next(self) -> Optional[tuple]:
+        """(index, address, length, file offset) of the next buffer, which
+        stays the caller's until read_release(index); None at the end."""
+        lib, ffi = _load()
+        index, data, length, offset = self._pulled
+        if self._check(lib.fp_read_next(self._handle, index, data, length, offset), "read") == 0:
+            return None
+        return int(index[0]), int(ffi.cast("uintptr_t", data[0])), int(length[0]), int(offset[0])
+
+    def read_release(self, index: int) -> None:
+        """Gives the oldest buffer read_next handed over back to the engine."""
+        lib, _ = _load()
+        self._check(lib.fp_read_release(self._handle, index), "read")
+
+    def read_end(self) -> None:
+        """Waits for the reads in flight and ends the pull read; raises its first error."""
+        lib, _ = _load()
+        self._check(lib.fp_read_end(self._handle), "read")
 
     def read_extents(self, direct_fd: int, buffered_fd: int, extents, path: Optional[str] = None,
                      *, checksums: bool = False):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import io
 import pickle
+import re
 import sys
 from typing import Callable, Optional
 
@@ -369,6 +370,37 @@ def unpickle_plain_state(zip_reader, storage_for, map_location, *, encoding: str
         raise NotPlainState(repr(exc)) from exc
     torch._utils._validate_loaded_sparse_tensors()
     return result
+
+
+def restore_target(map_location, location: str) -> str:
+    """The location torch.load restores a storage saved at ``location`` to,
+    for a map_location that is None, a dict, a str or a torch.device (as
+    torch 2.13's _get_restore_location resolves them)."""
+    if map_location is None:
+        return location
+    if isinstance(map_location, dict):
+        return map_location.get(location, location)
+    return str(map_location)
+
+
+def cuda_restore_device(location: str):
+    """The torch.device a storage restored to ``location`` lands on where
+    that is a CUDA device, with torch's own checks and errors (no such
+    device, CUDA unavailable); None for any other location."""
+    if location == "cuda" or re.match("cuda(:|[0-9]+)", location):
+        return _ts._validate_device(location, "cuda")
+    return None
+
+
+# Rebuild functions that read map_location themselves (torch 2.13's
+# _utils._get_restore_location): a load that hands torch's _load a
+# map_location of its own must not meet them in the pickle.
+_READ_MAP_LOCATION = (b"_rebuild_device_tensor_from_cpu_tensor", b"_rebuild_device_tensor_from_numpy",
+                      b"_rebuild_wrapper_subclass", b"_rebuild_xla_tensor", b"_restore_device_fake_mode")
+
+
+def pickle_reads_map_location(pickled: bytes) -> bool:
+    return any(name in pickled for name in _READ_MAP_LOCATION)
 
 
 def log_load_metadata(zip_reader) -> None:

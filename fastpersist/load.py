@@ -32,7 +32,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, NamedTuple, Optional
 
-from . import _engine, _torch_api
+from . import _engine, _torch_api, device_io
 from .fileio import prefaulting, read_extents, read_extents_through_page_cache, reading_engine
 from .options import Options, current_options
 from .torch_format import ArchiveIndex, CheckpointError, TorchArchiveReader, view_end
@@ -111,6 +111,12 @@ def load(f, map_location=None, pickle_module=None, *, weights_only: Optional[boo
         load_args = dict(pickle_load_args)
         load_args.setdefault("encoding", "utf-8")
 
+        if _through_buffers(image, map_location):
+            try:
+                return _load_through_buffers(image, map_location, weights_only, pickle_module, load_args, verify,
+                                             pickle_load_args)
+            except _NotThroughBuffers:
+                pass  # a location only torch knows how to restore: the path below
         plain = not verify and _plain_state_may_apply(image.index.has_checksums, weights_only, pickle_module,
                                                       pickle_load_args)
         if plain:
@@ -142,24 +148,127 @@ def load(f, map_location=None, pickle_module=None, *, weights_only: Optional[boo
             image.index.resolve(image.read_at)
         if verify:
             image.verify()
-        try:
-            if weights_only:
-                return _torch_api.unpickle_weights_only(reader, map_location, **load_args)
-            return _torch_api.unpickle_from(reader, map_location, pickle_module, **load_args)
-        except pickle.UnpicklingError:
-            if not weights_only:
-                raise
-            # torch.load words weights_only refusals with a helper private to
-            # it; let it refuse the file itself so the error is word for word
-            # the same (it stops at the same global, before loading tensors).
-            # Its warnings (an unusual pickle protocol) were given once already.
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                return _torch_api.original_load()(path, map_location, None, weights_only=True, mmap=False,
-                                                  **pickle_load_args)
+        return _unpickle(reader, path, map_location, weights_only, pickle_module, load_args, pickle_load_args)
+
+
+def _unpickle(reader, path: str, map_location, weights_only: bool, pickle_module, load_args: dict,
+              pickle_load_args: dict):
+    """torch's own unpickling of the checkpoint reader stands in for."""
+    try:
+        if weights_only:
+            return _torch_api.unpickle_weights_only(reader, map_location, **load_args)
+        return _torch_api.unpickle_from(reader, map_location, pickle_module, **load_args)
+    except pickle.UnpicklingError:
+        if not weights_only:
+            raise
+        # torch.load words weights_only refusals with a helper private to
+        # it; let it refuse the file itself so the error is word for word
+        # the same (it stops at the same global, before loading tensors).
+        # Its warnings (an unusual pickle protocol) were given once already.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return _torch_api.original_load()(path, map_location, None, weights_only=True, mmap=False,
+                                              **pickle_load_args)
 
 
 _NOT_LOADED = object()
+
+
+# ---------------------------------------------------------------------------
+# loads to a GPU: each storage allocated on its device, filled from the
+# engine's buffers (device_io.read_into); no host copy of the checkpoint
+
+STREAM_LOADS = False  # tests: loads to the CPU take this path too (a memcpy consumer)
+
+
+class _NotThroughBuffers(Exception):
+    """A storage restored to a location other than the CPU or a CUDA device."""
+
+
+def _through_buffers(image: "_CheckpointImage", map_location) -> bool:
+    """Whether the load may restore storages to a CUDA device (map_location
+    names one, or leaves saved CUDA locations as they are) and can take the
+    buffered path: map_location is not a callable (its result is the
+    caller's), the file is in this machine's byte order, and no rebuild
+    function in the pickle reads map_location itself."""
+    import torch
+
+    if not (map_location is None or isinstance(map_location, (str, dict, torch.device))):
+        return False
+    if isinstance(map_location, (str, torch.device)) and not str(map_location).startswith("cuda") \
+            and not STREAM_LOADS:
+        return False
+    record = image.index.lookup("data.pkl")
+    if record is None:
+        return False
+    pickled = image.index.read_record(image.read_at, record)  # small; read again from the page cache
+    if not STREAM_LOADS:
+        # None or a dict keep saved locations (perhaps renamed): a CUDA one is named in the pickle
+        named = isinstance(map_location, (str, torch.device)) or b"cuda" in pickled or (
+            isinstance(map_location, dict) and any(str(v).startswith("cuda") for v in map_location.values()))
+        if not (named and torch.cuda.is_available()):
+            return False
+    return not _torch_api.pickle_reads_map_location(pickled) and _file_byte_order(image) == sys.byteorder
+
+
+class _DeviceTargetReader(TorchArchiveReader):
+    """Hands torch's _load a meta storage for each record, which says where
+    the record's data starts; _load_through_buffers' restore callable
+    allocates the real one on its device."""
+
+    def get_storage_from_record(self, name: str, nbytes: int, storage_type):
+        import torch
+
+        r = self.index.entry(name)
+        self._check_size(r, nbytes)
+        self.index.resolve(self._read_at, [r])
+        storage = torch.UntypedStorage(nbytes, device="meta")
+        storage._checkpoint_offset = r.data_offset
+        return torch.empty(0, dtype=torch.uint8, device="meta").set_(storage)
+
+
+def _load_through_buffers(image: "_CheckpointImage", map_location, weights_only: bool, pickle_module,
+                          load_args: dict, verify: bool, pickle_load_args: dict):
+    """fastpersist.load for loads that may restore storages to a GPU: the
+    pickle is unpickled first, each storage allocated where map_location
+    puts it (torch's rules and errors), then one pass over the file fills
+    them all from the engine's buffers: host-to-device copies without
+    blocking, each buffer given back once its copies are done (CPU
+    storages: plain copies). Host memory: the engine's buffers and the CPU
+    storages, no copy of the device storages."""
+    import torch
+
+    pieces: list = []
+
+    def restore(storage, location):
+        target = _torch_api.restore_target(map_location, location)
+        device = _torch_api.cuda_restore_device(target)
+        if device is None:
+            if target != "cpu":
+                raise _NotThroughBuffers(target)
+            device = torch.device("cpu")
+        restored = torch.UntypedStorage(storage.nbytes(), device=device)
+        pieces.append(device_io.Piece(_torch_api.checkpoint_offset(storage), storage.nbytes(),
+                                      device_io.byte_view(restored)))
+        return restored
+
+    image.prefetch_local_headers()
+    reader = _DeviceTargetReader(image.index, image.read_at, source=image.path)
+    result = _unpickle(reader, image.path, restore, weights_only, pickle_module, load_args, pickle_load_args)
+    try:
+        with reading_engine(image.path, image.options) as (engine, direct_fd):
+            crcs = device_io.read_into(engine, direct_fd, image.fd, image.path, pieces, checksums=verify)
+    except EOFError:
+        raise CheckpointError(f"{image.path}: the file ended before its {image.size} bytes were read "
+                              "(did it shrink while being read?)") from None
+    if verify:
+        image.require_checksums()
+        for r in image.index.records.values():
+            if r.size:
+                image.index.resolve(image.read_at, [r])
+                crc = crcs.get((r.data_offset, r.size))
+                image.check_crc(r, image.record_crc(r) if crc is None else crc)
+    return result
 
 
 def _plain_state_may_apply(checksummed: bool, weights_only: bool, pickle_module, pickle_load_args: dict) -> bool:
@@ -712,13 +821,22 @@ class _Plan:
     def execute(self, image: _CheckpointImage, verify: bool) -> None:
         import torch
 
-        extents = [(dst.data_ptr(), offset, nbytes) for offset, nbytes, dst in self.direct]
         temporaries = {}  # one per stored storage, however many tensors view it
-        for offset, nbytes, _, _ in self.staged:
+        for offset, nbytes, _, dst in self.staged:
             if (offset, nbytes) not in temporaries:
-                tmp = temporaries[offset, nbytes] = torch.empty(nbytes, dtype=torch.uint8)
-                extents.append((tmp.data_ptr(), offset, nbytes))
-        checksums = self._read(image, extents, verify)
+                # beside its destination (a GPU's tensors need no host copy), unless bytes are swapped on the host
+                device = "cpu" if self.swap else dst.device
+                temporaries[offset, nbytes] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        if STREAM_LOADS or any(dst.device.type != "cpu" for _, _, dst in self.direct) or any(
+                t.device.type != "cpu" for t in temporaries.values()):
+            # one pass through the engine's buffers, copied to each tensor's device
+            pieces = [device_io.Piece(offset, nbytes, _bytes_of(dst)) for offset, nbytes, dst in self.direct]
+            pieces += [device_io.Piece(offset, nbytes, tmp) for (offset, nbytes), tmp in temporaries.items()]
+            checksums = self._read(image, pieces, verify, through_buffers=True)
+        else:
+            extents = [(dst.data_ptr(), offset, nbytes) for offset, nbytes, dst in self.direct]
+            extents += [(tmp.data_ptr(), offset, nbytes) for (offset, nbytes), tmp in temporaries.items()]
+            checksums = self._read(image, extents, verify)
         with torch.no_grad():
             swapped = set()
             for offset, nbytes, meta, dst in self.staged:
@@ -726,8 +844,8 @@ class _Plan:
                 if self.swap and (offset, nbytes) not in swapped:
                     storage.byteswap(meta.dtype)
                     swapped.add((offset, nbytes))
-                view = torch.empty(0, dtype=meta.dtype).set_(storage, meta.storage_offset(), meta.shape,
-                                                              meta.stride())
+                view = torch.empty(0, dtype=meta.dtype, device=storage.device).set_(
+                    storage, meta.storage_offset(), meta.shape, meta.stride())
                 dst.copy_(view)
             for _, _, dst in self.direct:
                 torch.autograd.graph.increment_version(dst)  # like an in-place copy_
@@ -740,11 +858,15 @@ class _Plan:
             self._verify(image, checksums)
 
     @staticmethod
-    def _read(image: _CheckpointImage, extents: list, checksums: bool) -> dict:
+    def _read(image: _CheckpointImage, extents: list, checksums: bool, through_buffers: bool = False) -> dict:
         """Reads (address, offset, nbytes) extents in passes of non-overlapping
-        ones (tied tensors share file bytes); returns {(offset, nbytes): crc}
-        with checksums."""
+        ones (tied tensors share file bytes), or device_io pieces in one pass
+        through the engine's buffers; returns {(offset, nbytes): crc} with
+        checksums."""
         try:
+            if through_buffers:
+                with reading_engine(image.path, image.options) as (engine, direct_fd):
+                    return device_io.read_into(engine, direct_fd, image.fd, image.path, extents, checksums)
             with prefaulting(extents):
                 return image.read_extents(extents, checksums)
         except EOFError:
@@ -763,6 +885,12 @@ class _Plan:
             if crc is None:  # not read whole into a tensor: check it on its own
                 crc = image.record_crc(r)
             image.check_crc(r, crc, ", and the tensors read from it hold its corrupt bytes")
+
+
+def _bytes_of(tensor):
+    """A contiguous tensor's bytes as a 1-D uint8 tensor, on its device."""
+    start = tensor.storage_offset() * tensor.element_size()
+    return device_io.byte_view(tensor.untyped_storage())[start:start + tensor.numel() * tensor.element_size()]
 
 
 def _file_byte_order(image: _CheckpointImage) -> str:
@@ -826,7 +954,7 @@ def _plan(image: _CheckpointImage, stored: dict, target: dict, strict: bool, is_
             # torch.load checks the first too; the second guards the pickle's view of the storage
             raise CheckpointError(f"{image.path}: the tensor '{name}' needs {max(needed, storage.nbytes())} bytes "
                                   f"of record '{record.name}', which holds {record.size}; the file is corrupt")
-        if value.is_contiguous() and dst.is_contiguous() and dst.device.type == "cpu" and not plan.swap:
+        if value.is_contiguous() and dst.is_contiguous() and dst.device.type in ("cpu", "cuda") and not plan.swap:
             start = offset + value.storage_offset() * item
             plan.direct.append((start, value.numel() * item, dst))
         else:

@@ -341,14 +341,17 @@ def stream_storage(storage, nbytes: int, sink, crc: Optional[int]) -> Optional[i
     copy into buffer k overlaps the engine's write of buffer k - 1."""
     import torch
 
-    source = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+    from . import device_io
+
+    source = device_io.byte_view(storage)
+    copier = device_io.ToHost(source.device, getattr(sink, "io_engine", None))
     done = 0
     while done < nbytes:
         buffer = sink.reserve(nbytes - done)
         length = len(buffer)
         target = torch.frombuffer(buffer, dtype=torch.uint8)
         try:
-            target.copy_(source[done:done + length])
+            copier.copy(target, source[done:done + length])
         except BaseException:
             sink.commit(0)  # gives the reservation up
             raise

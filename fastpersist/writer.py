@@ -125,6 +125,11 @@ class FastFileWriter(io.RawIOBase):
         return self._engine.commit(nbytes, crc)
 
     @property
+    def io_engine(self):
+        """The engine writing the file (device_io registers its buffers with CUDA)."""
+        return self._engine
+
+    @property
     def engine(self) -> str:
         return self._engine.kind if self._engine else ""
 

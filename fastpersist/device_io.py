@@ -1,0 +1,280 @@
+"""Storages on any device filled from the engine's buffers, one buffer at a
+time, so that loading a GPU's checkpoint needs no host copy of it: host
+memory stays the engine's buffers.
+
+``read_into`` drives the engine's pull read (Engine.read_begin/next/release):
+each buffer the engine hands over is copied into the storages it overlaps,
+and given back to the engine once those copies are done. Copies to a CUDA
+storage run without blocking on a side stream of its device, which first
+waits for the caller's current stream; an event recorded after a buffer's
+copies says when the buffer may be read into again, and the current stream
+waits for the side streams before read_into returns, so work queued after
+the load sees the bytes. Copies to a CPU storage are plain copies: the same
+code, which tests force CPU storages through (they stand in for a device
+that cannot be tested on this machine, never for a GPU test).
+
+The engine's buffers are registered with CUDA (page-locked, so the copies
+are DMA without a staging copy) once per engine, and unregistered before
+the engine unmaps them; never in a forked child (a registration is the
+creating process's). A refused registration is cleared from CUDA's error
+state, reported once, and the copies then go through CUDA's staging.
+
+CUDA is touched only when a CUDA storage is met.
+"""
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+import os
+from typing import Optional
+
+from . import _engine
+
+log = logging.getLogger("fastpersist")
+
+
+class Piece:
+    """``nbytes`` file bytes at ``offset`` go to ``target``, a 1-D uint8
+    tensor of nbytes elements on any device."""
+
+    __slots__ = ("offset", "nbytes", "target")
+
+    def __init__(self, offset: int, nbytes: int, target):
+        self.offset, self.nbytes, self.target = offset, nbytes, target
+
+
+def byte_view(storage):
+    """A storage as a 1-D uint8 tensor over all its bytes, on its device."""
+    import torch
+
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def read_into(engine: _engine.Engine, direct_fd: int, fd: int, path: str, pieces: list,
+              checksums: bool = False) -> dict:
+    """Reads every piece's bytes in one pass over the span that covers them
+    (pieces may share bytes: tied tensors). Returns {(offset, nbytes): crc}
+    with checksums, else {}; raises EOFError where the file ends early."""
+    pieces = sorted((p for p in pieces if p.nbytes), key=lambda p: (p.offset, p.nbytes))
+    if not pieces:
+        return {}
+    start = pieces[0].offset
+    end = max(p.offset + p.nbytes for p in pieces)
+    copies = _Copies()
+    if any(p.target.device.type == "cuda" for p in pieces):
+        register_buffers(engine)
+    crcs = [0] * len(pieces) if checksums else None
+    held: collections.deque = collections.deque()  # (buffer index, its copies' token), oldest first
+    first = 0  # pieces before it lie wholly behind the stream
+    reached = start
+    engine.read_begin(direct_fd, fd, start, end - start, path)
+    try:
+        while True:
+            # give back the buffers whose copies are done; all held: wait for the oldest
+            while held and (len(held) == engine.options.num_buffers or copies.done(held[0][1])):
+                index, token = held.popleft()
+                copies.wait(token)
+                engine.read_release(index)
+            got = engine.read_next()
+            if got is None:
+                break
+            index, address, length, offset = got
+            host = _host_bytes(address, length)
+            stop = offset + length
+            while first < len(pieces) and pieces[first].offset + pieces[first].nbytes <= offset:
+                first += 1
+            i = first
+            while i < len(pieces) and pieces[i].offset < stop:
+                p = pieces[i]
+                lo, hi = max(offset, p.offset), min(stop, p.offset + p.nbytes)
+                if lo < hi:
+                    copies.copy(p.target[lo - p.offset:hi - p.offset], host[lo - offset:hi - offset])
+                    if crcs is not None:
+                        crcs[i] = _engine.crc32(_engine.memory_at(address + lo - offset, hi - lo), crcs[i])
+                i += 1
+            held.append((index, copies.mark()))
+            reached = stop
+    except BaseException:
+        copies.abandon()
+        _end_quietly(engine)
+        raise
+    engine.read_end()
+    copies.finish()
+    if reached < end:
+        raise EOFError(path)
+    return {(p.offset, p.nbytes): c for p, c in zip(pieces, crcs)} if crcs is not None else {}
+
+
+def _end_quietly(engine: _engine.Engine) -> None:
+    try:
+        engine.read_end()
+    except OSError:
+        pass  # the error being raised already says what went wrong
+
+
+def _host_bytes(address: int, nbytes: int):
+    """A uint8 tensor over host memory (an engine buffer), no copy."""
+    import torch
+
+    return torch.frombuffer((ctypes.c_ubyte * nbytes).from_address(address), dtype=torch.uint8)
+
+
+class _Copies:
+    """Copies out of engine buffers into storages: CPU targets at once, CUDA
+    targets without blocking on a side stream per device. mark() closes the
+    copies issued since the last mark: a token that done() and wait() ask
+    about; finish() makes each device's current stream wait for them."""
+
+    def __init__(self):
+        self.streams: dict = {}  # CUDA device -> (side stream, the caller's current stream)
+        self.since_mark: set = set()  # CUDA devices copied to since the last mark
+
+    def copy(self, target, source) -> None:
+        if target.device.type != "cuda":
+            target.copy_(source)
+            return
+        import torch
+
+        device = target.device
+        entry = self.streams.get(device)
+        if entry is None:
+            current = torch.cuda.current_stream(device)
+            side = torch.cuda.Stream(device)
+            side.wait_stream(current)  # the targets were allocated (and maybe written) there
+            entry = self.streams[device] = (side, current)
+        with torch.cuda.stream(entry[0]):
+            target.copy_(source, non_blocking=True)
+        self.since_mark.add(device)
+
+    def mark(self) -> Optional[list]:
+        if not self.since_mark:
+            return None
+        events = []
+        for device in self.since_mark:
+            event = self._event(device)
+            event.record(self.streams[device][0])
+            events.append(event)
+        self.since_mark = set()
+        return events
+
+    @staticmethod
+    def _event(device):
+        import torch
+
+        with torch.cuda.device(device):
+            return torch.cuda.Event()
+
+    @staticmethod
+    def done(token) -> bool:
+        return token is None or all(event.query() for event in token)
+
+    @staticmethod
+    def wait(token) -> None:
+        for event in token or ():
+            event.synchronize()
+
+    def finish(self) -> None:
+        for side, current in self.streams.values():
+            current.wait_stream(side)
+
+    def abandon(self) -> None:
+        """After a failure: the engine may reuse its buffers only once the
+        copies out of them are done."""
+        for side, _ in self.streams.values():
+            side.synchronize()
+
+
+class ToHost:
+    """Copies a storage on ``device`` into engine buffers, one buffer at a
+    time (torch_format.stream_storage): for CUDA, without blocking on a side
+    stream that first waits for the caller's current stream (kernels still
+    queued when the save was called write what the file gets), into buffers
+    registered with CUDA; copy() returns once the bytes are in the buffer,
+    which the engine writes next while the following copy runs."""
+
+    def __init__(self, device, engine: Optional[_engine.Engine] = None):
+        self.side = None
+        if device.type == "cuda":
+            import torch
+
+            if engine is not None:
+                register_buffers(engine)
+            self.side = torch.cuda.Stream(device)
+            self.side.wait_stream(torch.cuda.current_stream(device))
+
+    def copy(self, target, source) -> None:
+        if self.side is None:
+            target.copy_(source)
+            return
+        import torch
+
+        with torch.cuda.stream(self.side):
+            target.copy_(source, non_blocking=True)
+        self.side.synchronize()
+
+
+# ---------------------------------------------------------------------------
+# registering the engine's buffers with CUDA
+
+_refusal_reported = False
+
+
+def register_buffers(engine: _engine.Engine) -> bool:
+    """Registers the engine's buffers with CUDA once (cudaHostRegister);
+    True where they are registered now."""
+    if engine.device_registered is not None:
+        return engine.device_registered
+    import torch
+
+    address, nbytes = engine.buffer_region()
+    cudart = torch.cuda.cudart()
+    rc = int(cudart.cudaHostRegister(address, nbytes, 0))
+    if rc != 0:
+        _clear_cuda_error()
+        _report_refusal(rc, nbytes)
+        engine.device_registered = False
+        return False
+    engine.device_registered = True
+
+    def unregister():
+        rc = int(cudart.cudaHostUnregister(address))
+        if rc != 0:
+            _clear_cuda_error()
+            log.warning("fastpersist: cudaHostUnregister of an engine's buffers failed (CUDA error %d)", rc)
+
+    engine.before_destroy(unregister)
+    return True
+
+
+def _report_refusal(rc: int, nbytes: int) -> None:
+    global _refusal_reported
+    if not _refusal_reported:
+        _refusal_reported = True
+        log.warning("fastpersist: CUDA refused to register %d MiB of I/O buffers (cudaHostRegister: CUDA error "
+                    "%d); copies between them and the GPU go through CUDA's staging, slower", nbytes >> 20, rc)
+
+
+def _clear_cuda_error() -> None:
+    """A failed CUDA runtime call leaves its error as the thread's last one,
+    which torch's next kernel-launch check would raise: read it to clear it.
+    torch's binding has no cudaGetLastError; the runtime torch loaded has."""
+    runtime = _cuda_runtime()
+    if runtime is not None:
+        runtime.cudaGetLastError()
+
+
+def _cuda_runtime():
+    """The CUDA runtime library this process has loaded (torch's), or None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart" in line}
+    except OSError:
+        paths = set()
+    for path in sorted(paths):
+        if os.path.exists(path):
+            try:
+                return ctypes.CDLL(path)
+            except OSError:
+                continue
+    return None
