@@ -268,6 +268,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             from .bench import restart as module
         elif command == "small":
             from .bench import small as module
+        elif command == "gpu":
+            from .bench import gpu as module
         else:
             from .bench import default as module
         return module.run(args)
@@ -373,7 +375,7 @@ def _add_bench_parser(commands) -> None:
                             "(default: auto)")
     _common_bench_arguments(bench, repeats=7)
     bench.set_defaults(func=_cmd_bench, bench_command=None)
-    kinds = bench.add_subparsers(dest="bench_command", metavar="{sweep,restart,small}")
+    kinds = bench.add_subparsers(dest="bench_command", metavar="{sweep,restart,small,gpu}")
 
     sweep = kinds.add_parser(
         "sweep", help="buffer size x buffers x queue depth x engine (x file size): GB/s, CSV and a plot",
@@ -436,6 +438,21 @@ def _add_bench_parser(commands) -> None:
                        help="PNG plot of the ratios against size (default: fastpersist-small.png)")
     _common_bench_arguments(small, repeats=7)
     small.set_defaults(func=_cmd_bench)
+
+    gpu = kinds.add_parser(
+        "gpu", help="save from and load to a GPU: torch, fastpersist, the raw engine, peak host memory",
+        description="Save a model's state that lives on the GPU and load it back to the GPU: torch.save + "
+                    "fsync, fastpersist.save, save_async's stall beside one device-to-host copy, torch.load and "
+                    "fastpersist.load with map_location on the device, load_into a model on the device, and the "
+                    "raw engine's write and read; with each call's peak host memory.")
+    gpu.add_argument("--size", type=_positive_float, default=1.0, metavar="GB",
+                     help="checkpoint size in GB (default: 1)")
+    gpu.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16",
+                     help="parameter dtype (default: bfloat16)")
+    gpu.add_argument("--device", default="cuda",
+                     help="the device (default: cuda); cpu only checks that the benchmark runs")
+    _common_bench_arguments(gpu, repeats=5)
+    gpu.set_defaults(func=_cmd_bench)
 
 
 # ---------------------------------------------------------------------------

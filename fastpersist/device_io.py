@@ -239,9 +239,9 @@ def register_buffers(engine: _engine.Engine) -> bool:
 
     def unregister():
         rc = int(cudart.cudaHostUnregister(address))
-        if rc != 0:
+        if rc != 0:  # at exit, CUDA may be gone before the engine: nothing left to undo then
             _clear_cuda_error()
-            log.warning("fastpersist: cudaHostUnregister of an engine's buffers failed (CUDA error %d)", rc)
+            log.debug("fastpersist: cudaHostUnregister of an engine's buffers failed (CUDA error %d)", rc)
 
     engine.before_destroy(unregister)
     return True

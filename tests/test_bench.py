@@ -56,6 +56,31 @@ def test_small_bench_runs_the_default_rows_at_each_size_and_plots_them(tmp_path)
     only_outputs_left(tmp_path, ["s.png", "s.csv"])
 
 
+def test_gpu_bench_runs_its_mechanisms_and_says_when_no_gpu_was_measured(tmp_path):
+    """On the CPU (--device cpu) the benchmark runs every mechanism and says
+    its numbers are not a GPU's; without --device cpu and without CUDA it
+    refuses in one line."""
+    import json
+
+    import torch
+
+    result = tmp_path / "g.json"
+    out = run_bench("gpu", "--device", "cpu", "--size", "0.005", "--repeats", "1", "--cache-drop", "file",
+                    "--folder", str(tmp_path), "--json", str(result))
+    assert "NOT a GPU measurement" in out.stdout
+    rows = json.loads(result.read_text())["results"]
+    assert {r["mechanism"] for r in rows} >= {"fastpersist.save", "fastpersist.load(map_location=device)",
+                                              "fastpersist.save_async", "one device-to-host copy_ of the state",
+                                              "raw engine read to host memory (ceiling)"}
+    assert all(r["median_s"] > 0 and r["device"] == "cpu" for r in rows)
+    only_outputs_left(tmp_path, ["g.json"])
+    if not torch.cuda.is_available():
+        refused = subprocess.run([sys.executable, "-m", "fastpersist", "bench", "gpu", "--folder", str(tmp_path)],
+                                 cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert refused.returncode != 0 and "no CUDA device" in refused.stderr
+        assert len(refused.stderr.strip().splitlines()) == 1
+
+
 def test_default_bench(tmp_path):
     out = run_bench("--size", "0.01", "--repeats", "1", "--cache-drop", "file", "--folder", str(tmp_path),
                     "--json", str(tmp_path / "r.json"), "--csv", str(tmp_path / "r.csv"))

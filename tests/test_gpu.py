@@ -1,0 +1,203 @@
+"""Checkpoints of GPU state, on a real GPU: skipped where CUDA is not
+available (run on a GPU machine with `bash .ci/gpu run`; see .ci/gpu).
+
+What the CPU machine tests of the same code cannot show: host-to-device and
+device-to-host copies on side streams, registered buffers, host memory
+bounded by the buffers, ordering against kernels still queued."""
+import collections
+import os
+import threading
+
+import pytest
+import torch
+
+import fastpersist
+from fastpersist import _engine, device_io
+from fastpersist.options import Options
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)")
+
+BUFFERS = dict(buffer_size=4 << 20, num_buffers=4)
+
+
+def mixed_state():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(1000, 1000, generator=g).cuda()
+    return collections.OrderedDict(
+        w=w, tied=w, view=w[3:7, 5:9], b=torch.arange(10, device="cuda"), half=torch.randn(5000).half().cuda(),
+        cpu=torch.randn(300, generator=g), empty=torch.zeros(0, device="cuda"), step=7,
+        param=torch.nn.Parameter(torch.randn(64, generator=g).cuda()))
+
+
+def same(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert a[k].device == b[k].device, k
+            assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+            assert torch.equal(a[k].cpu(), b[k].cpu()), k
+        else:
+            assert a[k] == b[k], k
+
+
+@pytest.mark.parametrize("map_location", [None, "cuda", "cuda:0", torch.device("cuda", 0), {"cuda:0": "cuda:0"},
+                                          "cpu", {"cuda:0": "cpu"}, lambda s, loc: s.cuda()])
+def test_round_trip_under_every_map_location(tmp_path, map_location):
+    state = mixed_state()
+    path = tmp_path / "g.pt"
+    fastpersist.save(state, path, **BUFFERS)
+    vanilla = torch.load(path, map_location=map_location, weights_only=False)
+    ours = fastpersist.load(path, map_location=map_location, weights_only=False)
+    same(vanilla, ours)
+    assert ours["tied"].data_ptr() == ours["w"].data_ptr()
+    if map_location is None:
+        same(state, ours)
+
+
+def test_loads_to_the_gpu_take_the_buffers_not_a_host_copy(tmp_path, monkeypatch):
+    path = tmp_path / "g.pt"
+    fastpersist.save(mixed_state(), path)
+    calls = []
+    real = device_io.read_into
+    monkeypatch.setattr(device_io, "read_into", lambda *a, **k: (calls.append(a[4]), real(*a, **k))[1])
+    out = fastpersist.load(path, map_location="cuda")
+    assert calls and all(p.target.device.type == "cuda" for p in calls[0])
+    assert out["w"].is_cuda and out["cpu"].is_cuda
+
+
+def test_files_saved_from_the_gpu_are_torchs(tmp_path):
+    state = mixed_state()
+    ours, theirs = tmp_path / "ours.pt", tmp_path / "theirs.pt"
+    fastpersist.save(state, ours)
+    torch.save(state, theirs)
+    same(torch.load(theirs, weights_only=False), torch.load(ours, weights_only=False))
+
+
+def test_a_save_waits_for_kernels_still_queued(tmp_path):
+    """The tensor is written by kernels queued on the current stream when
+    save is called: the file holds their result."""
+    x = torch.zeros(64 << 20, device="cuda")  # 256 MB
+    torch.cuda._sleep(200_000_000)  # keeps the stream busy so the fill below is still queued
+    x.fill_(3.0)
+    fastpersist.save({"x": x}, tmp_path / "k.pt", **BUFFERS)
+    assert torch.all(torch.load(tmp_path / "k.pt")["x"] == 3.0)
+
+
+def test_tensors_changed_after_save_async_returns_do_not_reach_the_file(tmp_path):
+    x = torch.ones(16 << 20, device="cuda")
+    handle = fastpersist.save_async({"x": x}, tmp_path / "a.pt")
+    x.mul_(5)  # training goes on
+    handle.result()
+    assert torch.all(torch.load(tmp_path / "a.pt")["x"] == 1.0)
+
+
+def _rss_kib():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+
+def test_host_memory_of_a_gpu_save_stays_within_the_buffers(tmp_path):
+    """A GPU state ten times the buffers' size: peak host memory grows by at
+    most the buffers and a few MiB (no host copy of the state)."""
+    buffers = BUFFERS["buffer_size"] * BUFFERS["num_buffers"]
+    state = {f"t{i}": torch.randn(buffers // 40, device="cuda") for i in range(100)}  # 10x the buffers
+    fastpersist.save(state, tmp_path / "warm.pt", **BUFFERS)  # the engine and CUDA's own host memory, once
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _rss_kib()
+    fastpersist.save(state, tmp_path / "m.pt", **BUFFERS)
+    grown = (_rss_kib() - before) << 10
+    assert grown <= buffers + (8 << 20), f"host memory grew by {grown >> 20} MiB"
+
+
+def test_host_memory_of_a_gpu_load_stays_within_the_buffers(tmp_path):
+    buffers = BUFFERS["buffer_size"] * BUFFERS["num_buffers"]
+    state = {f"t{i}": torch.randn(buffers // 40, device="cuda") for i in range(100)}
+    path = tmp_path / "l.pt"
+    fastpersist.save(state, path, **BUFFERS)
+    fastpersist.patch(**BUFFERS)  # the options loads take (fastpersist.load has torch.load's arguments)
+    fastpersist.load(path, map_location="cuda")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _rss_kib()
+    out = fastpersist.load(path, map_location="cuda")
+    grown = (_rss_kib() - before) << 10
+    assert torch.equal(out["t3"], state["t3"])
+    assert grown <= buffers + (8 << 20), f"host memory grew by {grown >> 20} MiB"
+
+
+def test_load_into_a_cuda_model(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.LayerNorm(128), torch.nn.Linear(128, 8)).cuda()
+    path = tmp_path / "m.pt"
+    fastpersist.save(model.state_dict(), path)
+    fresh = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.LayerNorm(128), torch.nn.Linear(128, 8)).cuda()
+    fresh[0].weight.data = fresh[0].weight.data.t().contiguous().t()  # a non-contiguous parameter: staged on the GPU
+    fastpersist.load_into(fresh, path, verify=True)
+    for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_registered_buffers_report_pinned(tmp_path):
+    engine = _engine.acquire(Options(**BUFFERS))
+    try:
+        assert device_io.register_buffers(engine)
+        address, nbytes = engine.buffer_region()
+        host = device_io._host_bytes(address, nbytes)
+        assert host.is_pinned()
+    finally:
+        _engine.release(engine)
+
+
+def test_dcp_save_and_load_of_cuda_tensors(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from fastpersist.dcp import FastPersistReader, FastPersistWriter
+
+    state = {"w": torch.randn(1000, 100, device="cuda"), "b": torch.arange(7, device="cuda")}
+    dcp.save(state, storage_writer=FastPersistWriter(str(tmp_path)))
+    target = {"w": torch.zeros(1000, 100, device="cuda"), "b": torch.zeros(7, dtype=torch.long, device="cuda")}
+    dcp.load(target, storage_reader=FastPersistReader(str(tmp_path)))
+    assert torch.equal(target["w"], state["w"]) and torch.equal(target["b"], state["b"])
+
+
+def test_a_forked_child_does_not_touch_the_registration(tmp_path):
+    engine = _engine.acquire(Options(**BUFFERS))
+    assert device_io.register_buffers(engine)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child drops its copy of the engine: no cudaHostUnregister there
+        try:
+            del engine
+            import gc
+
+            gc.collect()
+            os.write(write, b"ok")
+        finally:
+            os._exit(0)
+    os.close(write)
+    assert os.read(read, 2) == b"ok"
+    os.waitpid(pid, 0)
+    _engine.release(engine)
+    x = torch.ones(4 << 20, device="cuda")
+    fastpersist.save({"x": x}, tmp_path / "f.pt", **BUFFERS)  # the parent's registration still works
+    assert torch.equal(torch.load(tmp_path / "f.pt")["x"], x)
+
+
+def test_concurrent_gpu_loads(tmp_path):
+    path = tmp_path / "c.pt"
+    state = mixed_state()
+    fastpersist.save(state, path)
+    errors = []
+
+    def load():
+        try:
+            same(state, fastpersist.load(path, weights_only=False))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
