@@ -19,7 +19,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 PYTHON=${PYTHON:-python3}
 OUT=$ROOT/build/sanitize
-TESTS=${SANITIZE_TESTS:-tests/test_engine.py tests/test_save.py tests/test_faults.py tests/test_temporaries.py tests/test_streamed_write.py}
+TESTS=${SANITIZE_TESTS:-tests/test_engine.py tests/test_save.py tests/test_faults.py tests/test_temporaries.py tests/test_streamed_write.py tests/test_streamed_read.py}
 # -fno-wrapv undoes the -fwrapv of CPython's own CFLAGS (which setuptools
 # passes on): under it signed overflow is defined, and UBSan would not check it.
 FLAGS="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g -O1 -fno-wrapv"
