@@ -195,8 +195,8 @@ def _through_buffers(image: "_CheckpointImage", map_location) -> bool:
 
     if not (map_location is None or isinstance(map_location, (str, dict, torch.device))):
         return False
-    if isinstance(map_location, (str, torch.device)) and not str(map_location).startswith("cuda") \
-            and not STREAM_LOADS:
+    if not STREAM_LOADS and (not torch.backends.cuda.is_built() or (  # a CPU build of torch: nothing to ask
+            isinstance(map_location, (str, torch.device)) and not str(map_location).startswith("cuda"))):
         return False
     record = image.index.lookup("data.pkl")
     if record is None:
