@@ -358,6 +358,14 @@ def _common_bench_arguments(parser: argparse.ArgumentParser, repeats: int, csv: 
                         help="write the results as CSV" + (f" (default: {csv})" if csv else " too"))
 
 
+def _model_arguments(parser: argparse.ArgumentParser, size: float, dtype: str) -> None:
+    parser.add_argument("--size", type=_positive_float, default=size, metavar="GB",
+                        help="checkpoint size in GB (10^9 bytes): a GPT-2-shaped model with as many layers as "
+                             f"come closest (default: {size:g})")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=dtype,
+                        help=f"parameter dtype (default: {dtype})")
+
+
 def _add_bench_parser(commands) -> None:
     bench = commands.add_parser(
         "bench", help="measure save and load on this machine against torch.save/torch.load",
@@ -365,11 +373,7 @@ def _add_bench_parser(commands) -> None:
                     "load in a fresh process and in the same one, load_into, each against vanilla torch and "
                     "the raw engine, on a ~2 GB model with random weights. 'sweep' tunes the engine "
                     "options; 'restart' characterises LLM restarts; 'small' runs the default rows at small sizes.")
-    bench.add_argument("--size", type=_positive_float, default=2.0, metavar="GB",
-                       help="checkpoint size in GB (10^9 bytes): a GPT-2-shaped model with as many layers as "
-                            "come closest (default: 2)")
-    bench.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
-                       help="parameter dtype (default: float32)")
+    _model_arguments(bench, size=2.0, dtype="float32")
     bench.add_argument("--engines", type=_engines_argument, default="auto",
                        help="auto (the engine fastpersist picks here), all, or a list such as io_uring,libaio "
                             "(default: auto)")
@@ -445,10 +449,7 @@ def _add_bench_parser(commands) -> None:
                     "fsync, fastpersist.save, save_async's stall beside one device-to-host copy, torch.load and "
                     "fastpersist.load with map_location on the device, load_into a model on the device, and the "
                     "raw engine's write and read; with each call's peak host memory.")
-    gpu.add_argument("--size", type=_positive_float, default=1.0, metavar="GB",
-                     help="checkpoint size in GB (default: 1)")
-    gpu.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16",
-                     help="parameter dtype (default: bfloat16)")
+    _model_arguments(gpu, size=1.0, dtype="bfloat16")
     gpu.add_argument("--device", default="cuda",
                      help="the device (default: cuda); cpu only checks that the benchmark runs")
     _common_bench_arguments(gpu, repeats=5)

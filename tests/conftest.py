@@ -64,6 +64,22 @@ def vanilla_load(path, **kwargs):
     return torch.load(path, weights_only=False, **kwargs)
 
 
+def fail_third_copy(monkeypatch):
+    """torch.Tensor.copy_ raises on its third call from now on (a device
+    copy failing); returns a function that puts the real copy_ back."""
+    real_copy = torch.Tensor.copy_
+    copies = []
+
+    def failing(self, src, *args, **kwargs):
+        copies.append(1)
+        if len(copies) == 3:
+            raise RuntimeError("device copy failed")
+        return real_copy(self, src, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", failing)
+    return lambda: monkeypatch.setattr(torch.Tensor, "copy_", real_copy)
+
+
 def leftovers(folder):
     """fastpersist's files in folder, once this process's pending releases
     (replaced checkpoints unlinked in the background) are done."""

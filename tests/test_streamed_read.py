@@ -19,7 +19,7 @@ from fastpersist import _engine, _torch_api, device_io
 from fastpersist.fileio import reading_engine
 from fastpersist.options import Options
 
-from conftest import SMALL, vanilla_load
+from conftest import SMALL, fail_third_copy, vanilla_load
 from corpus import assert_same, corpus
 from test_faults import idle_engines, inject  # noqa: F401 - fixture
 
@@ -174,20 +174,11 @@ def test_a_failing_copy_ends_the_read(data_file, monkeypatch):
     engine stays usable."""
     path, fd = data_file
     pieces = [device_io.Piece(0, len(DATA), torch.empty(len(DATA), dtype=torch.uint8))]
-    real_copy = torch.Tensor.copy_
-    copies = []
-
-    def failing(self, src, *args, **kwargs):
-        copies.append(1)
-        if len(copies) == 3:
-            raise RuntimeError("device copy failed")
-        return real_copy(self, src, *args, **kwargs)
-
     with reading_engine(path, Options(**SMALL)) as (e, direct_fd):
-        monkeypatch.setattr(torch.Tensor, "copy_", failing)
+        restore_copy = fail_third_copy(monkeypatch)
         with pytest.raises(RuntimeError, match="device copy failed"):
             device_io.read_into(e, direct_fd, fd, path, pieces)
-        monkeypatch.setattr(torch.Tensor, "copy_", real_copy)
+        restore_copy()
         assert e.usable
         device_io.read_into(e, direct_fd, fd, path, pieces)
     assert bytes(pieces[0].target.numpy()) == DATA

@@ -13,7 +13,7 @@ import torch
 import fastpersist
 from fastpersist import FastFileWriter, _torch_api, torch_format
 
-from conftest import SMALL, leftovers, vanilla_load
+from conftest import SMALL, fail_third_copy, leftovers, vanilla_load
 from corpus import corpus
 import test_faults
 from test_faults import assert_is, checkpoint, inject  # noqa: F401 - fixture
@@ -122,19 +122,10 @@ def test_a_failing_copy_gives_the_reservation_up(folder, streamed, monkeypatch):
     path = folder / "ckpt.pt"
     fastpersist.save(checkpoint(1), path, **SMALL)
     before = path.read_bytes()
-    real_copy = torch.Tensor.copy_
-    copies = []
-
-    def failing(self, src, *args, **kwargs):
-        copies.append(1)
-        if len(copies) == 3:
-            raise RuntimeError("device copy failed")
-        return real_copy(self, src, *args, **kwargs)
-
-    monkeypatch.setattr(torch.Tensor, "copy_", failing)
+    restore_copy = fail_third_copy(monkeypatch)
     with pytest.raises(RuntimeError, match="device copy failed"):
         fastpersist.save(checkpoint(2), path, **SMALL)
-    monkeypatch.setattr(torch.Tensor, "copy_", real_copy)
+    restore_copy()
     assert path.read_bytes() == before
     assert leftovers(folder) == []
     fastpersist.save(checkpoint(3), path, **SMALL)

@@ -156,21 +156,19 @@ class GpuBench:
     def vanilla_load(self) -> float:
         from fastpersist.patching import original_load
 
-        start = time.perf_counter()
-        loaded = original_load()(self.checkpoint, map_location=self.device, weights_only=True)
-        self.sync()
-        seconds = time.perf_counter() - start
-        del loaded
-        return seconds
+        return self._timed_load(original_load())
 
     def fastpersist_load(self) -> float:
         import fastpersist
 
+        return self._timed_load(fastpersist.load)
+
+    def _timed_load(self, load: Callable) -> float:
         start = time.perf_counter()
-        loaded = fastpersist.load(self.checkpoint, map_location=self.device, weights_only=True)
+        loaded = load(self.checkpoint, map_location=self.device, weights_only=True)
         self.sync()
         seconds = time.perf_counter() - start
-        del loaded
+        del loaded  # freed outside the timing
         return seconds
 
     def load_into(self) -> float:
