@@ -372,7 +372,8 @@ def _add_bench_parser(commands) -> None:
         description="Measure fastpersist on this machine's disk: save to a new file and over an existing one, "
                     "load in a fresh process and in the same one, load_into, each against vanilla torch and "
                     "the raw engine, on a ~2 GB model with random weights. 'sweep' tunes the engine "
-                    "options; 'restart' characterises LLM restarts; 'small' runs the default rows at small sizes.")
+                    "options; 'restart' characterises LLM restarts; 'small' runs the default rows at small sizes; "
+                    "'gpu' saves from and loads to a GPU.")
     _model_arguments(bench, size=2.0, dtype="float32")
     bench.add_argument("--engines", type=_engines_argument, default="auto",
                        help="auto (the engine fastpersist picks here), all, or a list such as io_uring,libaio "
