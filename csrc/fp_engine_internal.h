@@ -88,7 +88,7 @@ struct fp_engine {
     uint64_t pos;           /* file offset of the next byte */
     int cur;                /* buffer being filled */
     uint64_t cur_base;      /* file offset of byte 0 of the current buffer */
-    size_t cur_start, cur_fill;
+    size_t cur_start, cur_fill; /* queued up to cur_start, filled up to cur_fill */
     uint64_t prealloc_step; /* 0: not the only writer, or fallocate refused */
     uint64_t alloc_end;     /* the file's size as extended by fallocate */
     int sole_writer;        /* the stream owns the whole file: cut it to size at the end */

@@ -3,6 +3,7 @@ import errno
 import os
 import subprocess
 import sys
+import time
 import zlib
 
 import numpy as np
@@ -413,6 +414,31 @@ def test_sole_writer_cuts_the_file_to_its_end(engine, tmp_path):
         w.write(b"abc" * 100_001)
     assert path.read_bytes() == b"abc" * 100_001
 
+
+
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("offset", [0, 5000])
+def test_filled_requests_go_to_the_device_before_the_buffer_is_full(engine, tmp_path, direct, offset):
+    """A stream queues each whole request as soon as it is filled: the
+    device starts on a buffer's first bytes while the rest is copied (a
+    small file's only buffer used to wait for all of its copy). Here a
+    buffer is 1 MiB: its first 256 KiB reach the file while the stream is
+    still open, and the whole file is right after close."""
+    path = tmp_path / "eager.bin"
+    data = PAYLOAD[:300_000]
+    with FastFileWriter(path, offset, engine=engine, direct=direct, buffer_size=1 << 20, num_buffers=2,
+                        request_size=64 << 10, queue_depth=8) as w:
+        w.write_address(data.ctypes.data, len(data))
+        want = data[:256 << 10].tobytes()
+        for _ in range(1000):  # completion is asynchronous: up to 10 s
+            with open(path, "rb") as f:
+                f.seek(offset + (64 << 10))  # past a head the stream may hold back until it is aligned
+                if f.read(len(want) - (64 << 10) - 4096) == want[64 << 10:-4096]:
+                    break
+            time.sleep(0.01)
+        else:
+            pytest.fail("nothing of the stream reached the file before close")
+    assert path.read_bytes() == b"\0" * offset + data.tobytes()
 
 @pytest.mark.parametrize("field, value", [
     ("buffer_size", (1 << 30) + 4096), ("request_size", (1 << 30) + 4096), ("num_buffers", 65),
