@@ -1018,6 +1018,9 @@ static int read_ahead(struct fp_engine *e)
         int b = (int)(e->r_issued % nb);
         uint64_t start = e->r_next;
         uint64_t end = e->r_stop - start > e->cfg.buffer_size ? start + e->cfg.buffer_size : e->r_stop;
+        size_t need = (size_t)((end - start + e->cfg.request_size - 1) / e->cfg.request_size);
+        if (e->in_flight > 0 && (size_t)e->num_free < need)
+            break; /* no waiting for request slots here: fp_read_next issues it once they free up */
         e->r_start[b] = start;
         e->r_end[b] = end;
         queue_range(e, direct ? e->direct_fd : e->buffered_fd, 0, direct, b, fp_engine_buffer(e, b),
@@ -1056,11 +1059,22 @@ int fp_read_next(struct fp_engine *e, int *index, const void **data, size_t *len
         return -EINVAL;
     if (e->error)
         return e->error;
-    if (e->r_handed == e->r_issued)
-        return e->r_next < e->r_stop ? -EBUSY : 0;
-    int b = (int)(e->r_handed % (size_t)e->cfg.num_buffers);
-    while (e->buf_pending[b] > 0 && !e->error)
+    while (e->r_handed == e->r_issued) {
+        if (e->r_next >= e->r_stop)
+            return 0;
+        if (e->r_issued >= e->r_released + (size_t)e->cfg.num_buffers)
+            return -EBUSY; /* the consumer holds every buffer */
+        /* a free buffer waits for request slots (see read_ahead) */
         wait_one(e);
+        read_ahead(e);
+        if (e->error)
+            return e->error;
+    }
+    int b = (int)(e->r_handed % (size_t)e->cfg.num_buffers);
+    while (e->buf_pending[b] > 0 && !e->error) {
+        wait_one(e);
+        read_ahead(e);
+    }
     if (e->error)
         return e->error;
     uint64_t lo = e->r_start[b] > e->r_lo ? e->r_start[b] : e->r_lo;

@@ -99,6 +99,10 @@ def read_into(engine: _engine.Engine, direct_fd: int, fd: int, path: str, pieces
         copies.abandon()
         _end_quietly(engine)
         raise
+    # The engine goes back to its pool next, where another save or load may
+    # refill its buffers: the device copies out of them must be done first.
+    for _, token in held:
+        copies.wait(token)
     engine.read_end()
     copies.finish()
     if reached < end:

@@ -83,6 +83,20 @@ def test_a_save_waits_for_kernels_still_queued(tmp_path):
     assert torch.all(torch.load(tmp_path / "k.pt")["x"] == 3.0)
 
 
+
+def test_a_load_hands_its_engine_back_only_once_its_copies_are_done(tmp_path):
+    """Copies to the GPU queue behind kernels already on the current stream.
+    A file that fits in one buffer is never waited for inside the read, so
+    the load must wait for those copies before its engine (one engine here)
+    goes back to the pool, where the next save refills the same buffer."""
+    expected = torch.arange(1 << 18, dtype=torch.float32)
+    path = tmp_path / "small.pt"
+    fastpersist.save({"x": expected}, path, max_engines=1, **BUFFERS)
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued ahead of the load's copies
+    loaded = fastpersist.load(path, map_location="cuda", max_engines=1, **BUFFERS)
+    fastpersist.save({"y": torch.full((1 << 18,), -1.0)}, tmp_path / "other.pt", max_engines=1, **BUFFERS)
+    assert torch.equal(loaded["x"].cpu(), expected)
+
 def test_tensors_changed_after_save_async_returns_do_not_reach_the_file(tmp_path):
     x = torch.ones(16 << 20, device="cuda")
     handle = fastpersist.save_async({"x": x}, tmp_path / "a.pt")

@@ -84,6 +84,20 @@ def test_pull_read_stops_at_the_end_of_the_file(data_file, engine):
     assert b"".join(p for p, _ in pieces) == DATA[-100:]
 
 
+
+@pytest.mark.parametrize("queue_depth", [2, 6])
+@pytest.mark.parametrize("hold", [0, 1])
+def test_pull_read_with_fewer_request_slots_than_its_buffers_need(data_file, engine, queue_depth, hold):
+    """A buffer needs 4 requests here. The read never waits for request
+    slots when it starts or when a buffer is released (a buffer with too
+    few slots free is issued by read_next once they free up), and a free
+    buffer waiting for slots is not a consumer holding every buffer (EBUSY)."""
+    path, fd = data_file
+    with reading_engine(path, Options(engine=engine, **dict(SMALL, queue_depth=queue_depth))) as (e, direct_fd):
+        e.read_begin(direct_fd, fd, 0, len(DATA), path)
+        pieces = pull(e, hold=hold)
+    assert b"".join(p for p, _ in pieces) == DATA
+
 def test_buffers_held_by_the_consumer_are_not_read_into(data_file):
     """With both buffers held nothing can be read ahead (EBUSY); what was
     handed over stays intact until released, in order."""
