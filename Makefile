@@ -12,6 +12,8 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 TORCH_VERSION ?= 2.13.0
+CUFILE_CU12_VERSION := 1.14.1.1
+CUFILE_CU13_VERSION := 1.20.0.107
 DEBS := build-essential liburing-dev libaio-dev libisal2 zlib1g-dev e2fsprogs libcap2-bin mount
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 BENCH_ARGS ?=
@@ -30,6 +32,12 @@ deps:
 	$(PIP) install -q "cffi>=1.15" "setuptools>=64" wheel "pytest>=7" numpy hypothesis tqdm matplotlib pytest-benchmark
 	@# the frameworks the integrations' tests run for real; torch is already there, so none pulls CUDA
 	$(PIP) install -q "lightning>=2.1" "transformers>=4.40" "accelerate>=0.26" "deepspeed>=0.16"
+	@# cuFile as the nvidia-cufile wheels ship it (CUDA 12 and 13), for tests/test_cufile.py: unpacked
+	@# into .test-deps/, not installed, so the CPU install stays free of CUDA packages
+	@[ -f .test-deps/cufile-cu12/nvidia/cufile/lib/libcufile.so.0 ] || \
+		$(PIP) install -q --no-deps --target .test-deps/cufile-cu12 nvidia-cufile-cu12==$(CUFILE_CU12_VERSION)
+	@[ -f .test-deps/cufile-cu13/nvidia/cu13/lib/libcufile.so.0 ] || \
+		$(PIP) install -q --no-deps --target .test-deps/cufile-cu13 nvidia-cufile==$(CUFILE_CU13_VERSION)
 
 build: deps
 	$(PIP) install -q --no-build-isolation -e .

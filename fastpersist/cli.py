@@ -10,8 +10,6 @@ only by ``bench``.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import dataclasses
 import json
 import os
@@ -22,6 +20,7 @@ from typing import Any, Optional
 
 import fastpersist
 
+from . import cufile
 from .filesystems import errno_text, filesystem_of, probe_o_direct
 
 MiB = 1 << 20
@@ -44,27 +43,6 @@ def _limit_text(value: int) -> str:
         return "unlimited"
     mib = value / MiB
     return f"{mib:g} MiB" if value % MiB == 0 else f"{mib:.3f} MiB"
-
-
-def find_cufile() -> Optional[str]:
-    """Where libcufile is, or None; prefers the full path of the loaded library."""
-    candidates = []
-    found = ctypes.util.find_library("cufile")
-    if found:
-        candidates.append(found)
-    candidates += ["libcufile.so.0", "libcufile.so"]
-    for name in candidates:
-        try:
-            ctypes.CDLL(name)
-        except OSError:
-            continue
-        maps = _read_text("/proc/self/maps") or ""
-        for line in maps.splitlines():
-            parts = line.split(None, 5)
-            if len(parts) == 6 and "libcufile" in os.path.basename(parts[5]):
-                return parts[5]
-        return name
-    return found  # found by name but not loadable here
 
 
 def _engine_probe(options) -> dict:
@@ -133,6 +111,8 @@ def gather_info(folder: str) -> dict:
         defaults = {"error": str(exc)}
 
     engines = _engine_probe(Options())
+    cuda = _cuda_probe()
+    gds = cufile.probe()  # in a child process, with a timeout
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     folder = os.path.abspath(folder)
 
@@ -161,9 +141,10 @@ def gather_info(folder: str) -> dict:
         "folder": folder,
         "o_direct": probe_o_direct(folder),
         "filesystem": filesystem_of(folder),
-        "cuda": _cuda_probe(),
-        "cufile": find_cufile(),
-        "nvidia_fs_loaded": os.path.exists("/proc/driver/nvidia-fs"),
+        "cuda": cuda,
+        "cufile": gds,
+        "transfer": {"option": getattr(current_options(), "transfer", None) if "error" not in defaults else None,
+                     "gpu_tensors_take": "bounce", "why": cufile.why_not_gds(gds, cuda["available"])},
     }
 
 
@@ -236,8 +217,23 @@ def format_info(info: dict) -> list[str]:
     else:
         cuda_text += " (CPU-only torch build)"
     rows.append(("CUDA", cuda_text))
-    rows.append(("cuFile", info["cufile"] or "not found"))
-    rows.append(("nvidia-fs loaded", _yes_no(info["nvidia_fs_loaded"])))
+    gds = info["cufile"]
+    if not gds.get("library"):
+        rows.append(("cuFile", gds.get("reason") or "not found"))
+    else:
+        rows.append(("cuFile", f"{gds['library']} (version {gds.get('version') or 'unknown'})"))
+        if gds.get("error"):
+            rows.append(("cuFile driver", gds["error"]))
+        else:
+            rows.append(("cuFile driver", gds.get("driver") or "not opened"))
+            if gds.get("driver") == "opened":
+                rows.append(("cuFile mode", f"GDS (nvidia-fs {gds['nvfs_version']})" if gds.get("nvfs_version")
+                             else "compatibility mode only (POSIX I/O through cuFile's bounce buffers)"))
+        nvfs = gds.get("nvidia_fs_loaded")
+        rows.append(("nvidia-fs", f"loaded, version {nvfs}" if nvfs else "not loaded"))
+    transfer = info["transfer"]
+    rows.append(("GPU tensors move", f"through the engine's pinned buffers (transfer={transfer['option']}): "
+                                     f"{transfer['why']}"))
     width = max(len(key) for key, _ in rows) + 1
     return [f"{key + ':':<{width}} {value}" for key, value in rows]
 

@@ -29,7 +29,7 @@ import logging
 import os
 from typing import Optional
 
-from . import _engine
+from . import _engine, cufile
 
 log = logging.getLogger("fastpersist")
 
@@ -52,10 +52,11 @@ def byte_view(storage):
 
 
 def read_into(engine: _engine.Engine, direct_fd: int, fd: int, path: str, pieces: list,
-              checksums: bool = False) -> dict:
+              checksums: bool = False, transfer: str = "auto") -> dict:
     """Reads every piece's bytes in one pass over the span that covers them
     (pieces may share bytes: tied tensors). Returns {(offset, nbytes): crc}
-    with checksums, else {}; raises EOFError where the file ends early."""
+    with checksums, else {}; raises EOFError where the file ends early.
+    transfer: the option of that name (see _through_buffers)."""
     pieces = sorted((p for p in pieces if p.nbytes), key=lambda p: (p.offset, p.nbytes))
     if not pieces:
         return {}
@@ -63,6 +64,7 @@ def read_into(engine: _engine.Engine, direct_fd: int, fd: int, path: str, pieces
     end = max(p.offset + p.nbytes for p in pieces)
     copies = _Copies()
     if any(p.target.device.type == "cuda" for p in pieces):
+        _through_buffers(transfer)
         register_buffers(engine)
     crcs = [0] * len(pieces) if checksums else None
     held: collections.deque = collections.deque()  # (buffer index, its copies' token), oldest first
@@ -197,11 +199,12 @@ class ToHost:
     registered with CUDA; copy() returns once the bytes are in the buffer,
     which the engine writes next while the following copy runs."""
 
-    def __init__(self, device, engine: Optional[_engine.Engine] = None):
+    def __init__(self, device, engine: Optional[_engine.Engine] = None, transfer: str = "auto"):
         self.side = None
         if device.type == "cuda":
             import torch
 
+            _through_buffers(transfer)
             if engine is not None:
                 register_buffers(engine)
             self.side = torch.cuda.Stream(device)
@@ -216,6 +219,13 @@ class ToHost:
         with torch.cuda.stream(self.side):
             target.copy_(source, non_blocking=True)
         self.side.synchronize()
+
+
+def _through_buffers(transfer: str) -> None:
+    """Where CUDA storages are met: the transfer option allows the pinned
+    buffers (transfer="gds" raises cufile.GdsUnavailable with the reason;
+    "auto" says once why it takes the buffers)."""
+    cufile.transfer_for(transfer)
 
 
 # ---------------------------------------------------------------------------

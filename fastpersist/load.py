@@ -257,7 +257,8 @@ def _load_through_buffers(image: "_CheckpointImage", map_location, weights_only:
     result = _unpickle(reader, image.path, restore, weights_only, pickle_module, load_args, pickle_load_args)
     try:
         with reading_engine(image.path, image.options) as (engine, direct_fd):
-            crcs = device_io.read_into(engine, direct_fd, image.fd, image.path, pieces, checksums=verify)
+            crcs = device_io.read_into(engine, direct_fd, image.fd, image.path, pieces, checksums=verify,
+                                      transfer=image.options.transfer)
     except EOFError:
         raise CheckpointError(f"{image.path}: the file ended before its {image.size} bytes were read "
                               "(did it shrink while being read?)") from None
@@ -866,7 +867,8 @@ class _Plan:
         try:
             if through_buffers:
                 with reading_engine(image.path, image.options) as (engine, direct_fd):
-                    return device_io.read_into(engine, direct_fd, image.fd, image.path, extents, checksums)
+                    return device_io.read_into(engine, direct_fd, image.fd, image.path, extents, checksums,
+                                              transfer=image.options.transfer)
             with prefaulting(extents):
                 return image.read_extents(extents, checksums)
         except EOFError:

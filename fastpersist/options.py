@@ -7,6 +7,7 @@ import os
 import re
 
 ENGINES = ("auto", "io_uring", "libaio", "psync")
+TRANSFERS = ("auto", "bounce", "gds")
 MiB = 1 << 20
 GiB = 1 << 30  # the engine's bound on buffer and request sizes (32-bit io_uring lengths)
 
@@ -38,6 +39,12 @@ class Options:
         whose tensors have all died is kept for the next load to reuse
         (at most two such mappings, none under memory pressure); 0 gives
         it back to the system at once.
+    transfer: how GPU tensors move between the file and device memory:
+        ``bounce`` through the engine's pinned buffers; ``gds`` GPUDirect
+        Storage through cuFile (refused, with the reason, where it cannot
+        run natively: fastpersist never takes cuFile's compatibility mode
+        silently; the GDS data path is not in this version); ``auto`` GDS
+        where it runs natively, else the buffers, saying why once in the log.
     compare_replicas: a group save (``save(..., group=pg)``) checks that the
         ranks hold the same tensor values: each rank computes the CRC-32 of
         every tensor's bytes as it holds them, the ranks compare them, and a
@@ -59,10 +66,13 @@ class Options:
     snapshot_memory: int = 0
     load_memory_seconds: float = 2.0
     compare_replicas: bool = True
+    transfer: str = "auto"
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"fastpersist option engine={self.engine!r}: expected one of {ENGINES}")
+        if self.transfer not in TRANSFERS:
+            raise ValueError(f"fastpersist option transfer={self.transfer!r}: expected one of {TRANSFERS}")
         for name in ("buffer_size", "request_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0 or value % 4096 or value > GiB:

@@ -344,7 +344,9 @@ def stream_storage(storage, nbytes: int, sink, crc: Optional[int]) -> Optional[i
     from . import device_io
 
     source = device_io.byte_view(storage)
-    copier = device_io.ToHost(source.device, getattr(sink, "io_engine", None))
+    options = getattr(sink, "options", None)
+    copier = device_io.ToHost(source.device, getattr(sink, "io_engine", None),
+                              options.transfer if options is not None else "auto")
     done = 0
     while done < nbytes:
         buffer = sink.reserve(nbytes - done)

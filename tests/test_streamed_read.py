@@ -239,9 +239,9 @@ def test_load_through_buffers_of_a_truncated_file(tmp_path, through_buffers, mon
     torch.save({"a": torch.randn(300_000)}, path)
     real = device_io.read_into
 
-    def shrink_first(engine, direct_fd, fd, name, pieces, checksums=False):
+    def shrink_first(engine, direct_fd, fd, name, pieces, checksums=False, **kwargs):
         os.truncate(path, 600_000)
-        return real(engine, direct_fd, fd, name, pieces, checksums)
+        return real(engine, direct_fd, fd, name, pieces, checksums, **kwargs)
 
     monkeypatch.setattr(device_io, "read_into", shrink_first)
     with pytest.raises(fastpersist.CheckpointError, match="ended before"):

@@ -1,0 +1,340 @@
+"""NVIDIA cuFile (GPUDirect Storage), loaded at run time: never a build- or
+install-time dependency. The ``fastpersist[gds]`` extra brings the
+``nvidia-cufile`` wheel; a system CUDA install or FASTPERSIST_CUFILE_LIBRARY
+(a path to libcufile.so.0) works too.
+
+This module finds the library, loads it through a small cffi ABI-mode shim
+(no compiler, no header), and says what GDS could do here: the library's
+path and version, whether its driver opens, whether nvidia-fs is loaded
+(without it cuFile only runs in compatibility mode, POSIX I/O through its
+own bounce buffers), and so which transfer ``transfer="auto"`` takes and
+why. Nothing of cuFile is loaded in a process that has no usable CUDA
+device, and cuFile's driver is opened only once CUDA is usable: libcufile
+1.20 (CUDA 13) hangs in cuFileDriverOpen on a machine without
+libcuda.so.1. ``fastpersist info`` asks a child process that runs this file alone, with
+a timeout, so that a hang cannot take it down.
+
+The GDS data path itself (each record's 4 KiB-aligned middle moved by
+cuFileRead/cuFileWrite, its edges through the host) is not in this
+version: ``transfer="gds"`` is refused with the reason, and ``auto`` takes
+the bounce buffers, saying why once in the log.
+"""
+from __future__ import annotations
+
+import ctypes.util
+import glob
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+from typing import Optional
+
+log = logging.getLogger("fastpersist")
+
+# The declarations this shim needs, as cufile.h (1.14 and 1.20) has them;
+# enums are ints. Symbols a library lacks fail only when used.
+_CDEF = """
+typedef struct { int err; int cu_err; } CUfileError_t;
+typedef struct {
+    struct {
+        unsigned int major_version;
+        unsigned int minor_version;
+        size_t poll_thresh_size;
+        size_t max_direct_io_size;
+        unsigned int dstatusflags;
+        unsigned int dcontrolflags;
+    } nvfs;
+    unsigned int fflags;
+    unsigned int max_device_cache_size;
+    unsigned int per_buffer_cache_size;
+    unsigned int max_device_pinned_mem_size;
+    unsigned int max_batch_io_size;
+    unsigned int max_batch_io_timeout_msecs;
+} CUfileDrvProps_t;
+CUfileError_t cuFileDriverOpen(void);
+CUfileError_t cuFileDriverClose(void);
+CUfileError_t cuFileDriverClose_v2(void);
+CUfileError_t cuFileDriverGetProperties(CUfileDrvProps_t *props);
+CUfileError_t cuFileGetVersion(int *version);
+"""
+
+_ERROR_BASE = 5000
+# cufile.h's CUfileOpError names for the errors a driver open or a first use reports
+_ERRORS = {
+    0: "CU_FILE_SUCCESS",
+    5001: "CU_FILE_DRIVER_NOT_INITIALIZED (nvidia-fs is not loaded and compatibility mode is not allowed)",
+    5002: "CU_FILE_DRIVER_INVALID_PROPS",
+    5003: "CU_FILE_DRIVER_UNSUPPORTED_API",
+    5004: "CU_FILE_DRIVER_VERSION_MISMATCH",
+    5005: "CU_FILE_DRIVER_VERSION_READ_ERROR",
+    5006: "CU_FILE_DRIVER_CLOSING",
+    5007: "CU_FILE_PLATFORM_NOT_SUPPORTED",
+    5008: "CU_FILE_IO_NOT_SUPPORTED",
+    5009: "CU_FILE_DEVICE_NOT_SUPPORTED",
+    5010: "CU_FILE_NVFS_DRIVER_ERROR",
+    5011: "CU_FILE_CUDA_DRIVER_ERROR",
+    5033: "CU_FILE_NVFS_SETUP_ERROR",
+}
+
+NVIDIA_FS_VERSION = "/proc/driver/nvidia-fs/version"
+PROBE_TIMEOUT_S = 20.0
+
+
+class GdsUnavailable(RuntimeError):
+    """transfer="gds" was asked for and cannot be given; the message says why."""
+
+
+def error_text(code: int) -> str:
+    return _ERRORS.get(code, f"cuFile error {code}")
+
+
+# ---------------------------------------------------------------------------
+# finding the library
+
+def wheel_library_paths(roots=None, cuda_major: Optional[int] = None) -> list:
+    """libcufile.so.0 where the nvidia-cufile wheels put it under each root
+    (sys.path by default): CUDA 13's ``nvidia/cu13/lib``, CUDA 12's
+    ``nvidia/cufile/lib``; the layout of cuda_major first."""
+    layouts = {13: os.path.join("nvidia", "cu13", "lib"), 12: os.path.join("nvidia", "cufile", "lib")}
+    order = sorted(layouts, key=lambda major: (major != cuda_major, -major))
+    found = []
+    for major in order:
+        for root in (sys.path if roots is None else roots):
+            path = os.path.join(root or ".", layouts[major], "libcufile.so.0")
+            if os.path.isfile(path) and path not in found:
+                found.append(os.path.abspath(path))
+    return found
+
+
+def _system_library_paths() -> list:
+    paths = []
+    for folder in ("/usr/local/cuda/lib64", "/usr/local/cuda/targets/x86_64-linux/lib",
+                   "/usr/local/cuda/targets/sbsa-linux/lib", "/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu"):
+        path = os.path.join(folder, "libcufile.so.0")
+        if os.path.isfile(path):
+            paths.append(path)
+    name = ctypes.util.find_library("cufile")  # the dynamic linker's cache
+    if name and name not in paths:
+        paths.append(name)
+    return paths
+
+
+def find_library(roots=None, cuda_major: Optional[int] = None, environ=os.environ) -> Optional[str]:
+    """The libcufile to load, without loading it: FASTPERSIST_CUFILE_LIBRARY,
+    else an nvidia-cufile wheel's, else the system's; None where there is none."""
+    explicit = environ.get("FASTPERSIST_CUFILE_LIBRARY")
+    if explicit:
+        return explicit
+    found = wheel_library_paths(roots, cuda_major) + _system_library_paths()
+    return found[0] if found else None
+
+
+def wheel_version(path: str) -> Optional[str]:
+    """The version of the nvidia-cufile wheel that installed path, if one did."""
+    site = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(path)))))
+    for info in sorted(glob.glob(os.path.join(site, "nvidia_cufile*.dist-info"))):
+        try:
+            with open(os.path.join(info, "RECORD")) as record:
+                rel = os.path.relpath(os.path.abspath(path), site)
+                if any(line.split(",", 1)[0] == rel for line in record):
+                    return os.path.basename(info)[:-len(".dist-info")].split("-", 1)[1]
+        except OSError:
+            continue
+    return None
+
+
+# ---------------------------------------------------------------------------
+# loading it
+
+class CuFile:
+    """A loaded libcufile (cffi ABI mode: dlopen, no compiler)."""
+
+    def __init__(self, path: str):
+        import cffi
+
+        self.path = path
+        self.ffi = cffi.FFI()
+        self.ffi.cdef(_CDEF)
+        try:
+            self.lib = self.ffi.dlopen(path)
+        except OSError as exc:
+            raise GdsUnavailable(f"libcufile at {path} does not load: {exc}") from None
+        self.driver_open = False
+
+    def version(self) -> Optional[str]:
+        """The library's version ("1.20.0"), from cuFileGetVersion (libcufile
+        1.15 and later) or the wheel that installed it."""
+        try:
+            get = self.lib.cuFileGetVersion
+        except AttributeError:
+            return wheel_version(self.path)
+        out = self.ffi.new("int *")
+        if get(out).err != 0:
+            return wheel_version(self.path)
+        v = out[0]  # 1000 * major + 10 * minor
+        return f"{v // 1000}.{v % 1000 // 10}.{v % 10}"
+
+    def open_driver(self) -> None:
+        """cuFileDriverOpen; GdsUnavailable with cuFile's reason where it
+        fails. Only once CUDA is usable (see the module's docstring)."""
+        status = self.lib.cuFileDriverOpen()
+        if status.err != 0:
+            cuda = f", CUDA driver error {status.cu_err}" if status.cu_err else ""
+            raise GdsUnavailable(f"cuFileDriverOpen failed: {error_text(status.err)}{cuda}")
+        self.driver_open = True
+
+    def close_driver(self) -> None:
+        if self.driver_open:
+            self.driver_open = False
+            try:
+                close = self.lib.cuFileDriverClose_v2
+            except AttributeError:
+                close = self.lib.cuFileDriverClose
+            close()
+
+    def nvfs_version(self) -> Optional[str]:
+        """nvidia-fs's version as the open driver reports it; None where it
+        reports none (compatibility mode)."""
+        props = self.ffi.new("CUfileDrvProps_t *")
+        if self.lib.cuFileDriverGetProperties(props).err != 0:
+            return None
+        major, minor = props.nvfs.major_version, props.nvfs.minor_version
+        return f"{major}.{minor}" if (major or minor) else None
+
+
+def nvidia_fs_version() -> Optional[str]:
+    """The loaded nvidia-fs kernel module's version, or None."""
+    try:
+        with open(NVIDIA_FS_VERSION) as f:
+            return f.read().strip().splitlines()[0].split(":")[-1].strip() or "unknown"
+    except (OSError, IndexError):
+        return None
+
+
+def cuda_driver_library() -> Optional[str]:
+    """libcuda.so.1 as the dynamic linker finds it, or None (no NVIDIA driver)."""
+    return ctypes.util.find_library("cuda")
+
+
+# ---------------------------------------------------------------------------
+# what GDS can do here, asked in a child process (info) ...
+
+def probe(library: Optional[str] = None, timeout: float = PROBE_TIMEOUT_S) -> dict:
+    """What `fastpersist info` shows about cuFile, gathered by a child
+    process with a timeout (a driver open that hangs cannot hang info)."""
+    library = library or find_library(cuda_major=_torch_cuda_major())
+    if library is None:
+        return {"library": None, "reason": "libcufile not found (pip install fastpersist[gds], or set "
+                                           "FASTPERSIST_CUFILE_LIBRARY)"}
+    try:
+        # this file alone, not the package: the child imports neither torch nor fastpersist
+        out = subprocess.run([sys.executable, "-c", "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__main__')",
+                              os.path.abspath(__file__), library], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"library": library, "error": f"the probe did not answer within {timeout:g} s (cuFileDriverOpen "
+                                             "hung?)"}
+    try:
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"library": library, "error": f"the probe failed (exit {out.returncode}): "
+                                             f"{(out.stderr.strip().splitlines() or ['no output'])[-1]}"}
+
+
+def _probe_here(library: str) -> dict:
+    """The child's side of probe(): loads the library, opens its driver where
+    CUDA is usable, reports."""
+    facts: dict = {"library": library, "version": None, "driver": None, "nvfs_version": None,
+                   "nvidia_fs_loaded": nvidia_fs_version()}
+    try:
+        cufile = CuFile(library)
+    except GdsUnavailable as exc:
+        facts["error"] = str(exc)
+        return facts
+    facts["version"] = cufile.version()
+    if cuda_driver_library() is None:
+        facts["driver"] = "not opened: no NVIDIA driver (libcuda.so.1 not found)"
+        return facts
+    try:
+        cufile.open_driver()
+    except GdsUnavailable as exc:
+        facts["driver"] = str(exc)
+        return facts
+    facts["driver"] = "opened"
+    facts["nvfs_version"] = cufile.nvfs_version()
+    cufile.close_driver()
+    return facts
+
+
+def why_not_gds(facts: dict, cuda_available: bool) -> str:
+    """Why GDS is not used here, the first missing piece named."""
+    if not cuda_available:
+        return "no usable CUDA device"
+    if not facts.get("library"):
+        return facts.get("reason") or "libcufile not found"
+    if facts.get("error"):
+        return facts["error"]
+    if facts.get("driver") != "opened":
+        return facts.get("driver") or "cuFile's driver was not opened"
+    if not facts.get("nvidia_fs_loaded") or not facts.get("nvfs_version"):
+        return ("nvidia-fs is not loaded: cuFile would run in compatibility mode (POSIX I/O through its own "
+                "bounce buffers), which fastpersist never takes silently")
+    return "the GDS data path is not in this version of fastpersist"
+
+
+# ---------------------------------------------------------------------------
+# ... and in this process, the first time a CUDA storage is met
+
+_decided: dict = {}  # requested transfer -> (transfer, why)
+_lock = threading.Lock()
+
+
+def transfer_for(requested: str) -> str:
+    """The transfer a save or load of CUDA storages takes for the
+    ``transfer`` option: "bounce" (the engine's pinned buffers). "gds"
+    raises GdsUnavailable naming what is missing; "auto" says once in the
+    log why it took the buffers. Called only once a CUDA storage is met."""
+    if requested == "bounce":
+        return "bounce"
+    with _lock:
+        if requested not in _decided:
+            _decided[requested] = _decide()
+            if requested == "auto":
+                log.info("fastpersist: transfer=auto moves GPU tensors through the engine's pinned buffers, not "
+                         "GPUDirect Storage: %s", _decided[requested][1])
+    transfer, why = _decided[requested]
+    if requested == "gds" and transfer != "gds":
+        raise GdsUnavailable(f"fastpersist option transfer='gds': GPUDirect Storage cannot be used here: {why}; "
+                             "transfer='auto' or 'bounce' moves GPU tensors through pinned host buffers")
+    return transfer
+
+
+def _decide() -> tuple:
+    """(transfer, why) from this process: torch has CUDA up already, so the
+    driver open cannot meet the missing-libcuda hang."""
+    try:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    except Exception:
+        cuda = False
+    if not cuda:
+        return ("bounce", "no usable CUDA device")
+    library = find_library(cuda_major=_torch_cuda_major())
+    if library is None:
+        return ("bounce", "libcufile not found (pip install fastpersist[gds], or set FASTPERSIST_CUFILE_LIBRARY)")
+    return ("bounce", why_not_gds(_probe_here(library), True))
+
+
+def _torch_cuda_major() -> Optional[int]:
+    torch = sys.modules.get("torch")
+    version = getattr(getattr(torch, "version", None), "cuda", None)
+    try:
+        return int(str(version).split(".")[0]) if version else None
+    except ValueError:
+        return None
+
+
+if __name__ == "__main__":  # the child process of probe()
+    print(json.dumps(_probe_here(sys.argv[-1])))

@@ -1,0 +1,141 @@
+"""cuFile (GPUDirect Storage) loaded at run time, against the real
+nvidia-cufile wheels for CUDA 12 (libcufile 1.14) and CUDA 13 (1.20), which
+`make deps` unpacks into .test-deps/ without installing them. On a machine
+without a GPU the libraries load; their driver is never opened there."""
+import json
+import logging
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fastpersist
+from fastpersist import cufile
+from fastpersist.options import from_environment
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CU12 = ROOT / ".test-deps" / "cufile-cu12"
+CU13 = ROOT / ".test-deps" / "cufile-cu13"
+CU12_LIB = CU12 / "nvidia" / "cufile" / "lib" / "libcufile.so.0"
+CU13_LIB = CU13 / "nvidia" / "cu13" / "lib" / "libcufile.so.0"
+NO_DRIVER = cufile.cuda_driver_library() is None
+
+
+@pytest.fixture(autouse=True)
+def wheels():
+    if not (CU12_LIB.exists() and CU13_LIB.exists()):
+        if os.environ.get("CI"):
+            pytest.fail("make deps unpacks the nvidia-cufile wheels into .test-deps/; they are missing")
+        pytest.skip("the nvidia-cufile wheels are not in .test-deps/ (make deps)")
+
+
+@pytest.fixture
+def fresh_decisions(monkeypatch):
+    monkeypatch.setattr(cufile, "_decided", {})
+
+
+def test_the_wheels_layouts_are_found_the_torch_cuda_major_first():
+    roots = [str(CU12), str(CU13)]
+    assert cufile.wheel_library_paths(roots, cuda_major=13) == [str(CU13_LIB), str(CU12_LIB)]
+    assert cufile.wheel_library_paths(roots, cuda_major=12) == [str(CU12_LIB), str(CU13_LIB)]
+    assert cufile.find_library(roots, 12, environ={}) == str(CU12_LIB)
+    assert cufile.find_library(roots, 12, environ={"FASTPERSIST_CUFILE_LIBRARY": "/x/libcufile.so.0"}) == \
+        "/x/libcufile.so.0"
+    assert cufile.wheel_version(str(CU12_LIB)) == "1.14.1.1"
+    assert cufile.wheel_version(str(CU13_LIB)) == "1.20.0.107"
+
+
+@pytest.mark.parametrize("library, version", [(CU12_LIB, "1.14.0"), (CU13_LIB, "1.20.0")])
+def test_probe_reports_the_library_and_never_opens_a_driver_without_libcuda(library, version):
+    """libcufile 1.20 hangs in cuFileDriverOpen without libcuda.so.1: the probe
+    must answer (well within its timeout) and say why it did not open it."""
+    facts = cufile.probe(str(library), timeout=60)
+    assert facts["library"] == str(library)
+    assert facts["version"] == version  # cuFileGetVersion's own answer, not the wheel's name
+    assert "error" not in facts, facts
+    if NO_DRIVER:
+        assert facts["driver"] == "not opened: no NVIDIA driver (libcuda.so.1 not found)"
+        assert cufile.why_not_gds(facts, cuda_available=True) == facts["driver"]
+    else:  # a GPU machine: whatever the driver said, named
+        assert facts["driver"] == "opened" or facts["driver"].startswith("cuFileDriverOpen failed: ")
+
+
+def test_probe_that_does_not_answer_in_time_is_reported():
+    facts = cufile.probe(str(CU12_LIB), timeout=0.001)
+    assert facts["library"] == str(CU12_LIB)
+    assert "did not answer within 0.001 s" in facts["error"]
+
+
+def test_a_file_that_is_not_the_library_is_named(tmp_path):
+    fake = tmp_path / "libcufile.so.0"
+    fake.write_bytes(b"not an ELF file")
+    facts = cufile.probe(str(fake))
+    assert facts["error"].startswith(f"libcufile at {fake} does not load")
+    assert cufile.why_not_gds(facts, cuda_available=True) == facts["error"]
+
+
+def test_what_is_missing_for_gds_is_named_first():
+    assert cufile.why_not_gds({"library": "x", "driver": "opened"}, cuda_available=False) == "no usable CUDA device"
+    assert "libcufile not found" in cufile.why_not_gds({"library": None}, cuda_available=True)
+    compat = cufile.why_not_gds({"library": "x", "driver": "opened", "nvidia_fs_loaded": None}, True)
+    assert "compatibility mode" in compat and "never takes silently" in compat
+    native = {"library": "x", "driver": "opened", "nvidia_fs_loaded": "2.26", "nvfs_version": "2.26"}
+    assert cufile.why_not_gds(native, True) == "the GDS data path is not in this version of fastpersist"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is usable here: tests/test_gpu.py covers it")
+def test_gds_asked_for_without_cuda_is_refused_and_auto_says_why_once(fresh_decisions, caplog):
+    with pytest.raises(cufile.GdsUnavailable, match="transfer='gds'.*no usable CUDA device"):
+        cufile.transfer_for("gds")
+    caplog.set_level(logging.INFO, logger="fastpersist")
+    assert cufile.transfer_for("auto") == "bounce"
+    assert cufile.transfer_for("auto") == "bounce"
+    said = [r.getMessage() for r in caplog.records if "transfer=auto" in r.getMessage()]
+    assert said == ["fastpersist: transfer=auto moves GPU tensors through the engine's pinned buffers, not "
+                    "GPUDirect Storage: no usable CUDA device"]
+    assert cufile.transfer_for("bounce") == "bounce"
+
+
+def test_a_bad_transfer_is_named(monkeypatch):
+    with pytest.raises(ValueError, match=r"fastpersist option transfer='direct': expected one of \('auto', 'bounce', "
+                                         r"'gds'\)"):
+        from_environment({"FASTPERSIST_TRANSFER": "direct"})
+    assert from_environment({"FASTPERSIST_TRANSFER": "bounce"}).transfer == "bounce"
+    with pytest.raises(ValueError, match="transfer='GDS'"):
+        fastpersist.save({"a": torch.ones(2)}, "/nonexistent/x.pt", transfer="GDS")
+
+
+def test_cpu_saves_and_loads_map_no_cuda_library(tmp_path):
+    """Even with transfer='gds' asked for and a libcufile named: CPU tensors
+    never meet CUDA, so nothing of it is loaded."""
+    script = f"""
+import torch, fastpersist
+state = {{"w": torch.randn(1000), "step": 3}}
+fastpersist.save(state, {str(tmp_path / 'c.pt')!r}, transfer="gds")
+back = fastpersist.load({str(tmp_path / 'c.pt')!r})
+fastpersist.load_into(state, {str(tmp_path / 'c.pt')!r}, transfer="gds")
+assert torch.equal(back["w"], state["w"])
+print(sorted({{line.split()[-1] for line in open("/proc/self/maps") if any(n in line for n in ("libcufile", "libcuda", "libcudart"))}}))
+"""
+    env = dict(os.environ, FASTPERSIST_CUFILE_LIBRARY=str(CU13_LIB), CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_info_reports_cufile(tmp_path):
+    env = dict(os.environ, FASTPERSIST_CUFILE_LIBRARY=str(CU13_LIB))
+    out = subprocess.run([sys.executable, "-m", "fastpersist", "info", "--json", "--folder", str(tmp_path)], env=env,
+                         capture_output=True, text=True, check=True)
+    info = json.loads(out.stdout)
+    assert info["cufile"]["library"] == str(CU13_LIB)
+    assert info["cufile"]["version"] == "1.20.0"
+    assert info["transfer"]["option"] == "auto" and info["transfer"]["gpu_tensors_take"] == "bounce"
+    text = subprocess.run([sys.executable, "-m", "fastpersist", "info", "--folder", str(tmp_path)], env=env,
+                          capture_output=True, text=True, check=True).stdout
+    assert f"cuFile:" in text and f"{CU13_LIB} (version 1.20.0)" in text
+    assert "GPU tensors move:" in text
+    if NO_DRIVER:
+        assert "not opened: no NVIDIA driver (libcuda.so.1 not found)" in text
