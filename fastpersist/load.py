@@ -263,12 +263,7 @@ def _load_through_buffers(image: "_CheckpointImage", map_location, weights_only:
         raise CheckpointError(f"{image.path}: the file ended before its {image.size} bytes were read "
                               "(did it shrink while being read?)") from None
     if verify:
-        image.require_checksums()
-        for r in image.index.records.values():
-            if r.size:
-                image.index.resolve(image.read_at, [r])
-                crc = crcs.get((r.data_offset, r.size))
-                image.check_crc(r, image.record_crc(r) if crc is None else crc)
+        image.verify_records(crcs)
     return result
 
 
@@ -484,6 +479,18 @@ class _CheckpointImage:
             raise CheckpointError(f"{self.path}: record '{record.name}' fails its CRC-32 check "
                                   f"({record.size} bytes at offset {record.data_offset}); the file is corrupt"
                                   + consequence)
+
+    def verify_records(self, crcs: dict, consequence: str = "") -> None:
+        """Checks every record's CRC-32: from crcs ({(data offset, size): crc}
+        of the bytes a read moved) where the read covered the record whole,
+        else read again from the file."""
+        self.require_checksums()
+        for r in self.index.records.values():
+            if not r.size:
+                continue
+            self.index.resolve(self.read_at, [r])
+            crc = crcs.get((r.data_offset, r.size))
+            self.check_crc(r, self.record_crc(r) if crc is None else crc, consequence)
 
     def record_crc(self, record) -> int:
         """CRC-32 of a record read from the file in pieces (no whole-record allocation)."""
@@ -856,7 +863,7 @@ class _Plan:
                 container = container[k]
             container[path[-1]] = value
         if verify:
-            self._verify(image, checksums)
+            image.verify_records(checksums, ", and the tensors read from it hold its corrupt bytes")
 
     @staticmethod
     def _read(image: _CheckpointImage, extents: list, checksums: bool, through_buffers: bool = False) -> dict:
@@ -874,19 +881,6 @@ class _Plan:
         except EOFError:
             raise CheckpointError(f"{image.path}: the file ended early while reading tensors "
                                   "(did it shrink while being read?)") from None
-
-    @staticmethod
-    def _verify(image: _CheckpointImage, crcs: dict) -> None:
-        image.require_checksums()
-        index = image.index
-        for r in index.records.values():
-            if not r.size:
-                continue
-            index.resolve(image.read_at, [r.name])
-            crc = crcs.get((r.data_offset, r.size))
-            if crc is None:  # not read whole into a tensor: check it on its own
-                crc = image.record_crc(r)
-            image.check_crc(r, crc, ", and the tensors read from it hold its corrupt bytes")
 
 
 def _bytes_of(tensor):
