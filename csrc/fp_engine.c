@@ -575,32 +575,32 @@ static void preallocate(struct fp_engine *e, uint64_t end)
     }
 }
 
+/* Queues the current buffer's bytes [start, end): with O_DIRECT, the
+ * aligned middle on the direct descriptor and the unaligned edges through
+ * the page cache (the head's block is shared with whoever owns the bytes
+ * before it; an unaligned tail ends the file). */
+static void queue_span(struct fp_engine *e, size_t start, size_t end)
+{
+    char *buf = fp_engine_buffer(e, e->cur);
+    preallocate(e, e->cur_base + end);
+    size_t a0 = (size_t)align_up(start), a1 = (size_t)align_down(end);
+    if (!e->direct || a0 >= a1) {
+        queue_range(e, e->buffered_fd, 1, 0, e->cur, buf + start, end - start, e->cur_base + start);
+        return;
+    }
+    if (start < a0)
+        queue_range(e, e->buffered_fd, 1, 0, e->cur, buf + start, a0 - start, e->cur_base + start);
+    queue_range(e, e->direct_fd, 1, 1, e->cur, buf + a0, a1 - a0, e->cur_base + a0);
+    if (a1 < end)
+        queue_range(e, e->buffered_fd, 1, 0, e->cur, buf + a1, end - a1, e->cur_base + a1);
+}
+
 /* Queues the valid bytes of the current buffer. */
 static int flush_current(struct fp_engine *e)
 {
-    char *buf = fp_engine_buffer(e, e->cur);
-    size_t start = e->cur_start, fill = e->cur_fill;
-    if (fill == start)
+    if (e->cur_fill == e->cur_start)
         return e->error;
-    preallocate(e, e->cur_base + fill);
-    if (!e->direct) {
-        queue_range(e, e->buffered_fd, 1, 0, e->cur, buf + start, fill - start,
-                    e->cur_base + start);
-    } else {
-        size_t a0 = (size_t)align_up(start), a1 = (size_t)align_down(fill);
-        if (a0 >= a1) {
-            queue_range(e, e->buffered_fd, 1, 0, e->cur, buf + start, fill - start,
-                        e->cur_base + start);
-        } else {
-            if (start < a0) /* head shared with whoever owns the bytes before */
-                queue_range(e, e->buffered_fd, 1, 0, e->cur, buf + start, a0 - start,
-                            e->cur_base + start);
-            queue_range(e, e->direct_fd, 1, 1, e->cur, buf + a0, a1 - a0, e->cur_base + a0);
-            if (a1 < fill) /* unaligned tail: the file ends at exactly pos */
-                queue_range(e, e->buffered_fd, 1, 0, e->cur, buf + a1, fill - a1,
-                            e->cur_base + a1);
-        }
-    }
+    queue_span(e, e->cur_start, e->cur_fill);
     kick(e);
     return e->error;
 }
@@ -616,15 +616,8 @@ static void flush_filled(struct fp_engine *e)
     if (e->cur_fill - start < unit + FP_ALIGN)
         return;
     size_t a0 = e->direct ? (size_t)align_up(start) : start;
-    size_t end = a0 + (e->cur_fill - a0) / unit * unit;
-    if (end <= a0)
-        return;
-    char *buf = fp_engine_buffer(e, e->cur);
-    preallocate(e, e->cur_base + end);
-    if (start < a0) /* head shared with whoever owns the bytes before */
-        queue_range(e, e->buffered_fd, 1, 0, e->cur, buf + start, a0 - start, e->cur_base + start);
-    queue_range(e, e->direct ? e->direct_fd : e->buffered_fd, 1, e->direct, e->cur, buf + a0, end - a0,
-                e->cur_base + a0);
+    size_t end = a0 + (e->cur_fill - a0) / unit * unit; /* aligned: no unaligned tail */
+    queue_span(e, start, end);
     e->cur_start = end;
     kick(e);
 }

@@ -143,7 +143,7 @@ def gather_info(folder: str) -> dict:
         "filesystem": filesystem_of(folder),
         "cuda": cuda,
         "cufile": gds,
-        "transfer": {"option": getattr(current_options(), "transfer", None) if "error" not in defaults else None,
+        "transfer": {"option": defaults.get("transfer"),
                      "gpu_tensors_take": "bounce", "why": cufile.why_not_gds(gds, cuda["available"])},
     }
 

@@ -60,7 +60,6 @@ CUfileError_t cuFileDriverGetProperties(CUfileDrvProps_t *props);
 CUfileError_t cuFileGetVersion(int *version);
 """
 
-_ERROR_BASE = 5000
 # cufile.h's CUfileOpError names for the errors a driver open or a first use reports
 _ERRORS = {
     0: "CU_FILE_SUCCESS",

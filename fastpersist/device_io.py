@@ -56,7 +56,7 @@ def read_into(engine: _engine.Engine, direct_fd: int, fd: int, path: str, pieces
     """Reads every piece's bytes in one pass over the span that covers them
     (pieces may share bytes: tied tensors). Returns {(offset, nbytes): crc}
     with checksums, else {}; raises EOFError where the file ends early.
-    transfer: the option of that name (see _through_buffers)."""
+    transfer: the option of that name (see cufile.transfer_for)."""
     pieces = sorted((p for p in pieces if p.nbytes), key=lambda p: (p.offset, p.nbytes))
     if not pieces:
         return {}
@@ -64,7 +64,7 @@ def read_into(engine: _engine.Engine, direct_fd: int, fd: int, path: str, pieces
     end = max(p.offset + p.nbytes for p in pieces)
     copies = _Copies()
     if any(p.target.device.type == "cuda" for p in pieces):
-        _through_buffers(transfer)
+        cufile.transfer_for(transfer)  # transfer="gds" raises here, naming what is missing
         register_buffers(engine)
     crcs = [0] * len(pieces) if checksums else None
     held: collections.deque = collections.deque()  # (buffer index, its copies' token), oldest first
@@ -204,7 +204,7 @@ class ToHost:
         if device.type == "cuda":
             import torch
 
-            _through_buffers(transfer)
+            cufile.transfer_for(transfer)  # transfer="gds" raises here, naming what is missing
             if engine is not None:
                 register_buffers(engine)
             self.side = torch.cuda.Stream(device)
@@ -219,13 +219,6 @@ class ToHost:
         with torch.cuda.stream(self.side):
             target.copy_(source, non_blocking=True)
         self.side.synchronize()
-
-
-def _through_buffers(transfer: str) -> None:
-    """Where CUDA storages are met: the transfer option allows the pinned
-    buffers (transfer="gds" raises cufile.GdsUnavailable with the reason;
-    "auto" says once why it takes the buffers)."""
-    cufile.transfer_for(transfer)
 
 
 # ---------------------------------------------------------------------------
