@@ -24,7 +24,7 @@ import threading
 import traceback
 from typing import Optional
 
-from . import _engine, _torch_api, torch_format
+from . import _engine, _torch_api, device_io, torch_format
 from . import release  # noqa: F401 - registers its exit hook before ours, so it runs after ours
 from .distributed import checkpoint_group, next_sequence, write_partitioned
 from .options import Options, current_options
@@ -345,7 +345,9 @@ class _HostCopy:
 def _cpu_storages_in(obj, budget: int = 1_000_000) -> dict:
     """{(data_ptr, nbytes): storage} of the dense CPU tensors reachable
     through obj's dicts, lists and tuples (a state dict, an optimizer's,
-    a checkpoint dict of them); others are left to the plan."""
+    a checkpoint dict of them); others are left to the plan. {} where the
+    walk meets a tensor it cannot take (one on a GPU, a subclass): the
+    plan would hold a storage with no early copy, so none is made."""
     import torch
 
     found, seen, stack = {}, set(), [obj]
@@ -353,22 +355,19 @@ def _cpu_storages_in(obj, budget: int = 1_000_000) -> dict:
         budget -= 1
         node = stack.pop()
         if isinstance(node, torch.Tensor):
-            if node.device.type == "cpu" and node.layout == torch.strided and not node.is_quantized \
-                    and type(node) in (torch.Tensor, torch.nn.Parameter):
-                storage = node.untyped_storage()
-                if storage.nbytes():
-                    found.setdefault((storage.data_ptr(), storage.nbytes()), storage)
+            if not (node.device.type == "cpu" and node.layout == torch.strided and not node.is_quantized
+                    and type(node) in (torch.Tensor, torch.nn.Parameter)):
+                return {}
+            storage = node.untyped_storage()
+            if storage.nbytes():
+                found.setdefault((storage.data_ptr(), storage.nbytes()), storage)
         elif isinstance(node, (dict, list, tuple)) and id(node) not in seen:
             seen.add(id(node))
             stack.extend(node.values() if isinstance(node, dict) else node)
     return found
 
 
-def _as_bytes(storage):
-    """A uint8 tensor over an untyped storage, on its device."""
-    import torch
-
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+_as_bytes = device_io.byte_view
 
 
 _COPY_AS_FROM_A_DEVICE = False  # tests: CPU storages take the device storages' copy

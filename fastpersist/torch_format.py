@@ -333,20 +333,23 @@ class CheckpointPlan:
 STREAM_CPU_STORAGES = False  # tests: CPU storages take the device storages' path
 
 
-def stream_storage(storage, nbytes: int, sink, crc: Optional[int]) -> Optional[int]:
+def stream_storage(storage, nbytes: int, sink, crc: Optional[int], copiers: Optional[dict] = None) -> Optional[int]:
     """Copies a storage (on any device) into the sink's engine buffers, one
     reservation at a time (sink.reserve(max) returns a writable buffer of
     at most max bytes; sink.commit(n, crc) appends them), so no host copy of
     the whole storage is made: host memory stays the engine's buffers. Each
-    copy into buffer k overlaps the engine's write of buffer k - 1."""
+    copy into buffer k overlaps the engine's write of buffer k - 1.
+    copiers: {device: device_io.ToHost} kept across one file's storages (one
+    side stream per device, not one per storage); the sink is a FastFileWriter."""
     import torch
 
     from . import device_io
 
     source = device_io.byte_view(storage)
-    options = getattr(sink, "options", None)
-    copier = device_io.ToHost(source.device, getattr(sink, "io_engine", None),
-                              options.transfer if options is not None else "auto")
+    copiers = {} if copiers is None else copiers
+    copier = copiers.get(source.device)
+    if copier is None:
+        copier = copiers[source.device] = device_io.ToHost(source.device, sink.io_engine, sink.options.transfer)
     done = 0
     while done < nbytes:
         buffer = sink.reserve(nbytes - done)
@@ -368,6 +371,7 @@ def write_plan(plan: CheckpointPlan, sink) -> int:
     returns the archive's size. ``sink`` needs ``write(bytes)``,
     ``write_address(address, nbytes, crc)`` (returns the updated CRC when crc
     is not None) and ``write_zeros(nbytes)``."""
+    copiers: dict = {}  # stream_storage's, per device
     for r in plan.records:
         src = r.source
         sink.write(r.header)
@@ -380,7 +384,7 @@ def write_plan(plan: CheckpointPlan, sink) -> int:
                 if storage.device.type == "cpu" and not STREAM_CPU_STORAGES:
                     crc = sink.write_address(storage.data_ptr(), src.nbytes, crc)
                 elif hasattr(sink, "reserve"):
-                    crc = stream_storage(storage, src.nbytes, sink, crc)
+                    crc = stream_storage(storage, src.nbytes, sink, crc, copiers)
                 else:
                     crc = sink.write_address(storage.cpu().data_ptr(), src.nbytes, crc)
                 plan.set_crc(r, crc or 0)

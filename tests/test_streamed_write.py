@@ -30,7 +30,7 @@ def streamed(monkeypatch):
     monkeypatch.setattr(torch_format, "STREAM_CPU_STORAGES", True)
     calls = []
     real = torch_format.stream_storage
-    monkeypatch.setattr(torch_format, "stream_storage", lambda s, n, sink, crc: (calls.append(n), real(s, n, sink, crc))[1])
+    monkeypatch.setattr(torch_format, "stream_storage", lambda s, n, sink, crc, *more: (calls.append(n), real(s, n, sink, crc, *more))[1])
     return calls
 
 
