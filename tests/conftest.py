@@ -19,6 +19,21 @@ from fastpersist.options import Options  # noqa: E402
 SMALL = dict(buffer_size=64 << 10, num_buffers=2, request_size=16 << 10, queue_depth=8)
 
 
+
+@contextlib.contextmanager
+def torch_save_setting(name, value):
+    """Sets torch.utils.serialization.config.save.<name> for a block.
+    (pytest's monkeypatch cannot undo a setattr on torch's config proxies
+    in every version: 9.2 deletes the setting, failing every later save.)"""
+    from torch.utils.serialization import config
+
+    old = getattr(config.save, name)
+    setattr(config.save, name, value)
+    try:
+        yield
+    finally:
+        setattr(config.save, name, old)
+
 def usable_engines():
     usable = []
     for kind in _engine.compiled_engines():

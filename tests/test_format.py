@@ -1,5 +1,4 @@
 """fastpersist writes the very bytes torch.save writes (but the random serialization id)."""
-import contextlib
 import io
 import os
 import pickle
@@ -8,24 +7,11 @@ import zipfile
 
 import pytest
 import torch
-from torch.utils.serialization import config
 
 import fastpersist
 from fastpersist import torch_format
 
-from conftest import vanilla_load
-
-
-@contextlib.contextmanager
-def torch_save_setting(name, value):
-    """Sets torch.utils.serialization.config.save.<name> for a block. (pytest's
-    monkeypatch cannot handle torch's config proxies in every pytest version.)"""
-    old = getattr(config.save, name)
-    setattr(config.save, name, value)
-    try:
-        yield
-    finally:
-        setattr(config.save, name, old)
+from conftest import torch_save_setting, vanilla_load
 
 
 def serialization_id(path):

@@ -15,7 +15,7 @@ import torch
 import fastpersist
 from fastpersist.patching import original_load, original_save
 
-from conftest import SMALL, mounted
+from conftest import SMALL, mounted, torch_save_setting
 from corpus import assert_same, corpus, rewrite_big_endian
 
 
@@ -313,41 +313,39 @@ def test_plain_state_dicts_are_built_while_the_file_is_read(folder, monkeypatch,
     import importlib
     import threading
 
-    from torch.utils.serialization import config
-
     load_module = importlib.import_module("fastpersist.load")
-    monkeypatch.setattr(config.save, "storage_alignment", alignment)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5))
-    state = {"model": model.state_dict(), "params": list(model.parameters()), "view": torch.arange(20.)[3:9:2],
-             "tied": model[0].weight, "empty": torch.empty(0), "empty2": torch.empty(0, 3), "step": 3,
-             "half": torch.ones(4, dtype=torch.float16), "flag": torch.tensor([True, False])}
-    original_save()(state, folder / "torch.pt")
-    fastpersist.save(state, folder / "fp.pt")
-    spy = _PlainStateSpy(monkeypatch)
-    unpickling = threading.Event()
-    real_unpickle, real_read = load_module._torch_api.unpickle_plain_state, load_module._CheckpointImage.read_extents
+    with torch_save_setting("storage_alignment", alignment):
+        model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5))
+        state = {"model": model.state_dict(), "params": list(model.parameters()), "view": torch.arange(20.)[3:9:2],
+                 "tied": model[0].weight, "empty": torch.empty(0), "empty2": torch.empty(0, 3), "step": 3,
+                 "half": torch.ones(4, dtype=torch.float16), "flag": torch.tensor([True, False])}
+        original_save()(state, folder / "torch.pt")
+        fastpersist.save(state, folder / "fp.pt")
+        spy = _PlainStateSpy(monkeypatch)
+        unpickling = threading.Event()
+        real_unpickle, real_read = load_module._torch_api.unpickle_plain_state, load_module._CheckpointImage.read_extents
 
-    def unpickle(*args, **kwargs):
-        unpickling.set()
-        return real_unpickle(*args, **kwargs)
+        def unpickle(*args, **kwargs):
+            unpickling.set()
+            return real_unpickle(*args, **kwargs)
 
-    waited = []
+        waited = []
 
-    def read_extents(image, extents, checksums, started=None):
-        if started is not None:
-            started.set()
-        waited.append(unpickling.wait(10))
-        return real_read(image, extents, checksums)
+        def read_extents(image, extents, checksums, started=None):
+            if started is not None:
+                started.set()
+            waited.append(unpickling.wait(10))
+            return real_read(image, extents, checksums)
 
-    monkeypatch.setattr(load_module._torch_api, "unpickle_plain_state", unpickle)
-    monkeypatch.setattr(load_module._CheckpointImage, "read_extents", read_extents)
-    for name in ("torch.pt", "fp.pt"):
-        for kwargs in ({}, {"weights_only": False}, {"map_location": "cpu"}, {"map_location": torch.device("cpu")}):
-            unpickling.clear()
-            got = same_as_torch(folder / name, **kwargs)
-            assert waited.pop() is True
-            assert got["tied"].data_ptr() == got["model"]["0.weight"].data_ptr()
-    assert spy.results == 8 and spy.refusals == 0
+        monkeypatch.setattr(load_module._torch_api, "unpickle_plain_state", unpickle)
+        monkeypatch.setattr(load_module._CheckpointImage, "read_extents", read_extents)
+        for name in ("torch.pt", "fp.pt"):
+            for kwargs in ({}, {"weights_only": False}, {"map_location": "cpu"}, {"map_location": torch.device("cpu")}):
+                unpickling.clear()
+                got = same_as_torch(folder / name, **kwargs)
+                assert waited.pop() is True
+                assert got["tied"].data_ptr() == got["model"]["0.weight"].data_ptr()
+        assert spy.results == 8 and spy.refusals == 0
 
 
 def test_what_the_plain_state_path_hands_to_torch(folder, monkeypatch):
