@@ -57,59 +57,95 @@ def read_into(engine: _engine.Engine, direct_fd: int, fd: int, path: str, pieces
     (pieces may share bytes: tied tensors). Returns {(offset, nbytes): crc}
     with checksums, else {}; raises EOFError where the file ends early.
     transfer: the option of that name (see cufile.transfer_for)."""
-    pieces = sorted((p for p in pieces if p.nbytes), key=lambda p: (p.offset, p.nbytes))
+    pieces = [p for p in pieces if p.nbytes]
     if not pieces:
         return {}
-    start = pieces[0].offset
+    start = min(p.offset for p in pieces)
     end = max(p.offset + p.nbytes for p in pieces)
-    copies = _Copies()
-    if any(p.target.device.type == "cuda" for p in pieces):
-        cufile.transfer_for(transfer)  # transfer="gds" raises here, naming what is missing
-        register_buffers(engine)
-    crcs = [0] * len(pieces) if checksums else None
-    held: collections.deque = collections.deque()  # (buffer index, its copies' token), oldest first
-    first = 0  # pieces before it lie wholly behind the stream
-    reached = start
-    engine.read_begin(direct_fd, fd, start, end - start, path)
-    try:
-        while True:
-            # give back the buffers whose copies are done; all held: wait for the oldest
-            while held and (len(held) == engine.options.num_buffers or copies.done(held[0][1])):
-                index, token = held.popleft()
-                copies.wait(token)
-                engine.read_release(index)
-            got = engine.read_next()
-            if got is None:
-                break
-            index, address, length, offset = got
-            host = _host_bytes(address, length)
-            stop = offset + length
-            while first < len(pieces) and pieces[first].offset + pieces[first].nbytes <= offset:
-                first += 1
-            i = first
-            while i < len(pieces) and pieces[i].offset < stop:
-                p = pieces[i]
-                lo, hi = max(offset, p.offset), min(stop, p.offset + p.nbytes)
-                if lo < hi:
-                    copies.copy(p.target[lo - p.offset:hi - p.offset], host[lo - offset:hi - offset])
-                    if crcs is not None:
-                        crcs[i] = _engine.crc32(_engine.memory_at(address + lo - offset, hi - lo), crcs[i])
-                i += 1
-            held.append((index, copies.mark()))
-            reached = stop
-    except BaseException:
-        copies.abandon()
-        _end_quietly(engine)
-        raise
-    # The engine goes back to its pool next, where another save or load may
-    # refill its buffers: the device copies out of them must be done first.
-    for _, token in held:
-        copies.wait(token)
-    engine.read_end()
-    copies.finish()
-    if reached < end:
-        raise EOFError(path)
-    return {(p.offset, p.nbytes): c for p, c in zip(pieces, crcs)} if crcs is not None else {}
+    return PullRead(engine, direct_fd, fd, path, start, end).deliver(pieces, checksums, transfer)
+
+
+class PullRead:
+    """The engine's pull read of the file's bytes [start, end), begun at
+    once: the engine fills its buffers ahead while the caller still works
+    out where the bytes go (a load_into unpickles and plans meanwhile), then
+    deliver() copies them out. Exactly one of deliver() and abandon() ends it;
+    the engine stays the caller's to release afterwards."""
+
+    def __init__(self, engine: _engine.Engine, direct_fd: int, fd: int, path: str, start: int, end: int):
+        self.engine, self.path, self.start, self.end = engine, path, start, end
+        engine.read_begin(direct_fd, fd, start, end - start, path)
+        self.open = True
+
+    def covers(self, spans) -> bool:
+        """Whether every (offset, nbytes) span lies within the read."""
+        return all(self.start <= offset and offset + nbytes <= self.end for offset, nbytes in spans)
+
+    def deliver(self, pieces: list, checksums: bool = False, transfer: str = "auto") -> dict:
+        """Copies every piece's bytes to its target; returns {(offset,
+        nbytes): crc} with checksums, else {}. Raises EOFError where the file
+        ends before the span, ValueError for a piece outside it."""
+        engine = self.engine
+        pieces = sorted((p for p in pieces if p.nbytes), key=lambda p: (p.offset, p.nbytes))
+        if not self.covers([(p.offset, p.nbytes) for p in pieces]):
+            self.abandon()
+            raise ValueError(f"{self.path}: bytes asked for outside the part of the file read "
+                             f"({self.start}..{self.end})")
+        self.open = False
+        copies = _Copies()
+        crcs = [0] * len(pieces) if checksums else None
+        held: collections.deque = collections.deque()  # (buffer index, its copies' token), oldest first
+        first = 0  # pieces before it lie wholly behind the stream
+        reached = self.start
+        try:
+            if any(p.target.device.type == "cuda" for p in pieces):
+                cufile.transfer_for(transfer)  # transfer="gds" raises here, naming what is missing
+                register_buffers(engine)
+            while True:
+                # give back the buffers whose copies are done; all held: wait for the oldest
+                while held and (len(held) == engine.options.num_buffers or copies.done(held[0][1])):
+                    index, token = held.popleft()
+                    copies.wait(token)
+                    engine.read_release(index)
+                got = engine.read_next()
+                if got is None:
+                    break
+                index, address, length, offset = got
+                host = _host_bytes(address, length)
+                stop = offset + length
+                while first < len(pieces) and pieces[first].offset + pieces[first].nbytes <= offset:
+                    first += 1
+                i = first
+                while i < len(pieces) and pieces[i].offset < stop:
+                    p = pieces[i]
+                    lo, hi = max(offset, p.offset), min(stop, p.offset + p.nbytes)
+                    if lo < hi:
+                        copies.copy(p.target[lo - p.offset:hi - p.offset], host[lo - offset:hi - offset])
+                        if crcs is not None:
+                            crcs[i] = _engine.crc32(_engine.memory_at(address + lo - offset, hi - lo), crcs[i])
+                    i += 1
+                held.append((index, copies.mark()))
+                reached = stop
+        except BaseException:
+            copies.abandon()
+            _end_quietly(engine)
+            raise
+        # The engine goes back to its pool next, where another save or load may
+        # refill its buffers: the device copies out of them must be done first.
+        for _, token in held:
+            copies.wait(token)
+        engine.read_end()
+        copies.finish()
+        if reached < self.end:
+            raise EOFError(self.path)
+        return {(p.offset, p.nbytes): c for p, c in zip(pieces, crcs)} if crcs is not None else {}
+
+    def abandon(self) -> None:
+        """Ends the read without delivering (its error, if any, is dropped:
+        the caller is raising its own, or reading the file another way)."""
+        if self.open:
+            self.open = False
+            _end_quietly(self.engine)
 
 
 def _end_quietly(engine: _engine.Engine) -> None:

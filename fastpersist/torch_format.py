@@ -558,6 +558,7 @@ class ArchiveIndex:
         self._sorted_keys: list[bytes] = []
         self._records: dict[int, RecordEntry] = {}
         self.listed: list[str] = []  # what torch's get_all_records returns
+        self.central_directory_offset = file_size
 
     @property
     def records(self) -> "_Records":
@@ -649,6 +650,7 @@ class ArchiveIndex:
         if not count:
             raise self._error("the archive does not contain any records")
         cd = self._read_exact(read_at, cd_offset, cd_size, "central directory")
+        self.central_directory_offset = cd_offset
         self._parse_central_directory(cd, count, cd_offset, disk)
         self._sort()
         self._list_records()
@@ -938,6 +940,20 @@ class ArchiveIndex:
         """Records with bytes, by where those start (once resolved)."""
         return {r._data_offset: r for r in self.records.values() if r._data_offset >= 0 and r.size}
 
+    def data_span(self) -> Optional[tuple]:
+        """(start, end) of the file from the local header of the first
+        storage record (``data/<key>``) to the header of the first record
+        after the last of them (or the central directory): where torch's
+        writer puts every storage's bytes. None without storage bytes."""
+        storages = [r for r in self.records.values() if r.name.startswith("data/") and r.size]
+        if not storages:
+            return None
+        start = min(r.header_offset for r in storages)
+        last = max(r.header_offset for r in storages)
+        after = [e.header_offset for e in self._entries if e.header_offset > last]
+        end = min(after) if after else self.central_directory_offset
+        return (start, end) if start < end <= self.file_size else None
+
     @property
     def is_torchscript(self) -> bool:
         return "constants.pkl" in self.listed  # torch.load's test, on its listing
@@ -1088,6 +1104,10 @@ class TorchArchiveReader:
         record's local header gives (read_at reads them from memory by now)."""
         self.index.resolve(self._read_at, [r for r, _ in self._guessed.values()], strict=False)
         return all(r._data_offset == offset for r, offset in self._guessed.values())
+
+    def guessed_records(self) -> dict:
+        """{guessed data offset: record}, the layout's places before predictions_hold confirms them."""
+        return {offset: r for r, offset in self._guessed.values() if r.size}
 
     def _record_storage(self, name: str, nbytes: int):
         if self._storage is None:

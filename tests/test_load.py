@@ -67,14 +67,15 @@ def test_small_loads_read_without_an_engine_unless_one_is_idle(folder, monkeypat
     """load and load_into (with and without verify) of a file under
     SMALL_LOAD_BYTES with no engine idle: plain reads, no engine made; with
     one idle, or above the size, through an engine."""
-    from fastpersist import _engine
+    from fastpersist import _engine, device_io
     from fastpersist.options import current_options
 
     load_module = sys.modules["fastpersist.load"]
     state = {"w": torch.randn(300, 300), "b": torch.arange(7), "step": 3}
     original_save()(state, folder / "s.pt")
     ways = []
-    for module, name in ((load_module, "read_extents_through_page_cache"), (load_module, "read_extents")):
+    for module, name in ((load_module, "read_extents_through_page_cache"), (load_module, "read_extents"),
+                         (device_io.PullRead, "deliver")):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **k: (ways.append(_name),
                                                                                    _real(*a, **k))[1])
@@ -93,12 +94,14 @@ def test_small_loads_read_without_an_engine_unless_one_is_idle(folder, monkeypat
     _engine.release(_engine.acquire(current_options()))
     ways.clear()
     each_way()
-    assert ways == ["read_extents"] * 3 and _engine.pool_size() == 1  # the idle engine read it
+    # the idle engine read it (load_into's read begins before the layout: the engine's pull read)
+    assert ways == ["read_extents"] + ["deliver"] * 2 and _engine.pool_size() == 1
     monkeypatch.setattr(load_module, "SMALL_LOAD_BYTES", 0)
     _engine.clear_pool()
     ways.clear()
     each_way()
-    assert ways == ["read_extents"] * 3 and _engine.pool_size() == 1  # at any size above it, an engine is made
+    # at any size above it, an engine is made
+    assert ways == ["read_extents"] + ["deliver"] * 2 and _engine.pool_size() == 1
 
 
 def test_a_small_load_into_with_no_engine_verifies_and_refuses_a_corrupt_file(folder):
@@ -368,8 +371,9 @@ def test_what_the_plain_state_path_hands_to_torch(folder, monkeypatch):
     assert spy.refusals == 3
     fastpersist.load(folder / "s.pt", verify=True)  # verified before anything is unpickled
     assert (spy.results, spy.refusals) == (1, 3)
-    # load_into's layout pass: the same guesses, checked before any tensor is written
-    for name, built in (("s.pt", 2), ("foreign.pt", 3)):
+    # load_into's layout pass: the same guesses, checked after the read that began before it; found
+    # wrong (foreign.pt), the tensors are read again, laid out from the headers: a second plain result
+    for name, built in (("s.pt", 2), ("foreign.pt", 4)):
         target = {"w": torch.zeros(3, 4), "b": torch.zeros(3, dtype=torch.float64)}
         fastpersist.load_into(target, folder / name)
         assert torch.equal(target["w"], state["w"]) and torch.equal(target["b"], state["b"])

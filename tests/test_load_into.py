@@ -167,3 +167,65 @@ def test_verify_on_a_path_that_is_not_a_zip_checkpoint_names_it(folder):
     torch.save({"a": torch.ones(2)}, path, _use_new_zipfile_serialization=False)
     with pytest.raises(fastpersist.CheckpointError, match="legacy.pt: verify=True checks zip checkpoints"):
         fastpersist.load(path, verify=True)
+
+
+def test_the_read_begins_before_the_layout_and_a_wrong_guess_writes_nothing(folder, engine, monkeypatch):
+    # With an engine idle (or a big file), the tensors' bytes are read while the pickle is still being
+    # unpickled. The places guessed for them are checked against the local headers before any tensor is
+    # written; a file whose data lies elsewhere (Python's zipfile writes no padding) is laid out again from
+    # its headers, and a file whose local header is damaged is refused with its target untouched.
+    import importlib
+    import zipfile
+
+    from fastpersist import device_io
+
+    load_module = importlib.import_module("fastpersist.load")
+    torch.manual_seed(0)
+    state = {f"w{i}": torch.randn(3000 + 7 * i) for i in range(12)}  # 12-24 KB each, through 64 KB buffers
+    original_save()(state, folder / "torch.pt")
+    with zipfile.ZipFile(folder / "torch.pt") as src, zipfile.ZipFile(folder / "foreign.pt", "w") as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info))
+    data = bytearray((folder / "torch.pt").read_bytes())
+    with zipfile.ZipFile(folder / "torch.pt") as src:
+        at = src.getinfo("torch/data/7").header_offset
+    data[at] ^= 0x01  # its local header's signature
+    (folder / "damaged.pt").write_bytes(bytes(data))
+    events = []
+    real_begin, real_unpickle = device_io.PullRead.__init__, load_module._torch_api.unpickle_plain_state
+
+    def begin(self, *args):
+        events.append("read begun")
+        real_begin(self, *args)
+
+    def unpickle(*args, **kwargs):
+        events.append("unpickle")
+        return real_unpickle(*args, **kwargs)
+
+    monkeypatch.setattr(device_io.PullRead, "__init__", begin)
+    monkeypatch.setattr(load_module._torch_api, "unpickle_plain_state", unpickle)
+    monkeypatch.setattr(load_module, "SMALL_LOAD_BYTES", 0)  # as with an engine idle
+    for name, passes in (("torch.pt", ["read begun", "unpickle"]),
+                         ("foreign.pt", ["read begun", "unpickle", "unpickle"])):
+        for verify in (False, True):
+            events.clear()
+            target = {k: torch.zeros_like(v) for k, v in state.items()}
+            fastpersist.load_into(target, folder / name, verify=verify, engine=engine, **SMALL)
+            for k, v in state.items():
+                assert torch.equal(target[k], v), (name, k)
+            assert events == passes
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    with pytest.raises(fastpersist.CheckpointError, match="'data/7': no local header"):
+        fastpersist.load_into(target, folder / "damaged.pt", engine=engine, **SMALL)
+    assert all(not v.any() for v in target.values()), "a refused load_into wrote into its target"
+    # a mismatch found while the engine is reading ahead: refused, nothing written, the engine usable after
+    events.clear()
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    target["w3"] = torch.zeros(5)
+    with pytest.raises(RuntimeError, match="size mismatch for w3"):
+        fastpersist.load_into(target, folder / "torch.pt", engine=engine, **SMALL)
+    assert events == ["read begun", "unpickle"]
+    assert all(not v.any() for v in target.values()), "a refused load_into wrote into its target"
+    del target["w3"]
+    fastpersist.load_into(target, folder / "torch.pt", strict=False, engine=engine, **SMALL)
+    assert all(torch.equal(target[k], state[k]) for k in target)

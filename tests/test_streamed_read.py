@@ -42,8 +42,23 @@ def through_buffers(monkeypatch):
     """Every fastpersist.load and load_into reads through the pull interface; returns its calls."""
     monkeypatch.setattr(load_module, "STREAM_LOADS", True)
     calls = []
-    real = device_io.read_into
-    monkeypatch.setattr(device_io, "read_into", lambda *a, **k: (calls.append(len(a[4])), real(*a, **k))[1])
+    real, deliver, inside = device_io.read_into, device_io.PullRead.deliver, []
+
+    def read_into(*args, **kwargs):
+        calls.append(len(args[4]))
+        inside.append(True)
+        try:
+            return real(*args, **kwargs)
+        finally:
+            inside.pop()
+
+    def delivered(self, pieces, *args, **kwargs):
+        if not inside:  # load_into begins its pull read before it knows the pieces, and hands them over later
+            calls.append(len(pieces))
+        return deliver(self, pieces, *args, **kwargs)
+
+    monkeypatch.setattr(device_io, "read_into", read_into)
+    monkeypatch.setattr(device_io.PullRead, "deliver", delivered)
     return calls
 
 
