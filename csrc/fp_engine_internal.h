@@ -54,7 +54,7 @@ struct fp_fault {
 
 struct fp_engine {
     struct fp_config cfg;
-    pid_t owner;            /* the process that created the engine */
+    unsigned generation;    /* fork_generation where the engine was created: another is a forked child */
     const struct fp_backend *backend;
     void *backend_state;
 
