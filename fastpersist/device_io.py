@@ -35,13 +35,15 @@ log = logging.getLogger("fastpersist")
 
 
 class Piece:
-    """``nbytes`` file bytes at ``offset`` go to ``target``, a 1-D uint8
-    tensor of nbytes elements on any device."""
+    """``nbytes`` file bytes at ``offset`` become the bytes of ``target``: a
+    contiguous CPU tensor of nbytes bytes (copied to by address, ``address``),
+    or a 1-D uint8 tensor of nbytes elements on another device."""
 
-    __slots__ = ("offset", "nbytes", "target")
+    __slots__ = ("offset", "nbytes", "target", "address")
 
     def __init__(self, offset: int, nbytes: int, target):
         self.offset, self.nbytes, self.target = offset, nbytes, target
+        self.address = target.data_ptr() if target.device.type == "cpu" else None
 
 
 def byte_view(storage):
@@ -77,6 +79,8 @@ class PullRead:
         engine.read_begin(direct_fd, fd, start, end - start, path)
         self.open = True
 
+    THREADED_COPY = 4 << 20  # a buffer of this many bytes or more is copied out by several threads
+
     def covers(self, spans) -> bool:
         """Whether every (offset, nbytes) span lies within the read."""
         return all(self.start <= offset and offset + nbytes <= self.end for offset, nbytes in spans)
@@ -94,6 +98,7 @@ class PullRead:
         self.open = False
         copies = _Copies()
         crcs = [0] * len(pieces) if checksums else None
+        copy_threads = _copy_threads()
         held: collections.deque = collections.deque()  # (buffer index, its copies' token), oldest first
         first = 0  # pieces before it lie wholly behind the stream
         reached = self.start
@@ -111,19 +116,26 @@ class PullRead:
                 if got is None:
                     break
                 index, address, length, offset = got
-                host = _host_bytes(address, length)
+                host = None
                 stop = offset + length
                 while first < len(pieces) and pieces[first].offset + pieces[first].nbytes <= offset:
                     first += 1
                 i = first
+                to_cpu = []  # (source, destination, nbytes): one C call for the buffer's CPU copies
                 while i < len(pieces) and pieces[i].offset < stop:
                     p = pieces[i]
                     lo, hi = max(offset, p.offset), min(stop, p.offset + p.nbytes)
                     if lo < hi:
-                        copies.copy(p.target[lo - p.offset:hi - p.offset], host[lo - offset:hi - offset])
+                        if p.address is not None:
+                            to_cpu.append((address + lo - offset, p.address + lo - p.offset, hi - lo))
+                        else:
+                            host = _host_bytes(address, length) if host is None else host
+                            copies.copy(p.target[lo - p.offset:hi - p.offset], host[lo - offset:hi - offset])
                         if crcs is not None:
                             crcs[i] = _engine.crc32(_engine.memory_at(address + lo - offset, hi - lo), crcs[i])
                     i += 1
+                if to_cpu:
+                    _engine.copy_many(to_cpu, copy_threads if length >= self.THREADED_COPY else 1)
                 held.append((index, copies.mark()))
                 reached = stop
         except BaseException:
@@ -146,6 +158,14 @@ class PullRead:
         if self.open:
             self.open = False
             _end_quietly(self.engine)
+
+
+def _copy_threads() -> int:
+    """As many threads as torch's own copies use (they run while the engine
+    reads the next buffers)."""
+    import torch
+
+    return max(1, min(8, torch.get_num_threads()))
 
 
 def _end_quietly(engine: _engine.Engine) -> None:

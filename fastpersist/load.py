@@ -963,8 +963,9 @@ class _Plan:
         return True
 
     def _pieces(self, temporaries: dict) -> list:
-        """What the engine's buffers are copied into: each direct destination's bytes, each temporary."""
-        pieces = [device_io.Piece(offset, nbytes, _bytes_of(dst)) for offset, nbytes, dst in self.direct]
+        """What the engine's buffers are copied into: each direct destination (a CUDA one as bytes), each temporary."""
+        pieces = [device_io.Piece(offset, nbytes, dst if dst.device.type == "cpu" else _bytes_of(dst))
+                  for offset, nbytes, dst in self.direct]
         return pieces + [device_io.Piece(offset, nbytes, tmp) for (offset, nbytes), tmp in temporaries.items()]
 
     @staticmethod

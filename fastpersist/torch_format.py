@@ -559,6 +559,8 @@ class ArchiveIndex:
         self._records: dict[int, RecordEntry] = {}
         self.listed: list[str] = []  # what torch's get_all_records returns
         self.central_directory_offset = file_size
+        self._found: dict[str, Optional[int]] = {}  # lookup's answers by name
+        self._listing: Optional[list] = None
 
     @property
     def records(self) -> "_Records":
@@ -838,8 +840,24 @@ class ArchiveIndex:
 
     def lookup(self, name: str) -> Optional[RecordEntry]:
         """The record torch's reader finds for name (prefix added), or None."""
-        i = self._find(self._prefix_bytes + name.encode("utf-8", "surrogatepass"))
+        try:
+            i = self._found[name]
+        except KeyError:  # each name searched once: a load asks for each record's several times
+            i = self._found[name] = self._find(self._prefix_bytes + name.encode("utf-8", "surrogatepass"))
         return None if i is None else self._record(i)
+
+    def listing(self) -> list:
+        """(name, record) of every listed name torch's reader finds, each
+        record once, in the listing's order: what ``records`` iterates over."""
+        if self._listing is None:
+            seen, listing = set(), []
+            for name in self.listed:
+                r = self.lookup(name)
+                if r is not None and id(r) not in seen:
+                    seen.add(id(r))
+                    listing.append((name, r))
+            self._listing = listing
+        return self._listing
 
     # -- what PyTorchStreamReader and torch.load read on opening -------------
     def _check_opening_records(self, read_at) -> None:
@@ -985,15 +1003,16 @@ class _Records(Mapping):
         return isinstance(name, str) and self._index.lookup(name) is not None
 
     def __iter__(self):
-        seen = set()
-        for name in self._index.listed:
-            r = self._index.lookup(name)
-            if r is not None and id(r) not in seen:
-                seen.add(id(r))
-                yield name
+        return (name for name, _ in self._index.listing())
+
+    def values(self):
+        return [r for _, r in self._index.listing()]
+
+    def items(self):
+        return list(self._index.listing())
 
     def __len__(self) -> int:
-        return sum(1 for _ in self)
+        return len(self._index.listing())
 
 
 class TorchArchiveReader:

@@ -19,7 +19,7 @@ from fastpersist import _engine, _torch_api, device_io
 from fastpersist.fileio import reading_engine
 from fastpersist.options import Options
 
-from conftest import SMALL, fail_third_copy, vanilla_load
+from conftest import SMALL, vanilla_load
 from corpus import assert_same, corpus
 from test_faults import idle_engines, inject  # noqa: F401 - fixture
 
@@ -199,15 +199,23 @@ def test_read_into_copies_pieces_with_their_crcs(data_file, engine):
 
 
 def test_a_failing_copy_ends_the_read(data_file, monkeypatch):
-    """The consumer's copy raising (a device error) ends the pull read; the
-    engine stays usable."""
+    """The consumer's copy raising (a device error; here the copy of a
+    buffer into CPU memory) ends the pull read; the engine stays usable."""
     path, fd = data_file
     pieces = [device_io.Piece(0, len(DATA), torch.empty(len(DATA), dtype=torch.uint8))]
+    real_copy_many, calls = device_io._engine.copy_many, []
+
+    def copy_many(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("device copy failed")
+        return real_copy_many(*args, **kwargs)
+
     with reading_engine(path, Options(**SMALL)) as (e, direct_fd):
-        restore_copy = fail_third_copy(monkeypatch)
+        monkeypatch.setattr(device_io._engine, "copy_many", copy_many)
         with pytest.raises(RuntimeError, match="device copy failed"):
             device_io.read_into(e, direct_fd, fd, path, pieces)
-        restore_copy()
+        monkeypatch.setattr(device_io._engine, "copy_many", real_copy_many)
         assert e.usable
         device_io.read_into(e, direct_fd, fd, path, pieces)
     assert bytes(pieces[0].target.numpy()) == DATA
