@@ -128,6 +128,7 @@ class Engine:
         self.lock_errno = lib.fp_engine_lock_errno(self._handle)
         self._crc = ffi.new("uint32_t *")
         self._pulled = None  # read_next's out-parameters, made on the first pull read
+        self._reserved = None  # reserve's, made on the first reservation
         # buffers registered with CUDA (device_io.register_buffers): None not tried, False refused
         self.device_registered: Optional[bool] = None
         self._path = None
@@ -203,7 +204,9 @@ class Engine:
         """(address, length): the next 0 < length <= max_bytes bytes of the
         stream, in the engine's buffer, for the caller to fill and commit()."""
         lib, ffi = _load()
-        dst, length = ffi.new("void **"), ffi.new("size_t *")
+        if self._reserved is None:  # made once: a GPU save reserves once per buffer of every storage
+            self._reserved = (ffi.new("void **"), ffi.new("size_t *"))
+        dst, length = self._reserved
         self._check(lib.fp_stream_reserve(self._handle, max_bytes, dst, length), "reserve")
         return int(ffi.cast("uintptr_t", dst[0])), int(length[0])
 
