@@ -79,6 +79,54 @@ def test_capture_with_a_python_pickler(folder):
     assert normalized(ref) == normalized(ours)
 
 
+class Tensorish(torch.Tensor):
+    """A tensor subclass: not among the types the quick ids skip."""
+
+
+@pytest.mark.filterwarnings("ignore:TypedStorage is deprecated:UserWarning")
+@pytest.mark.parametrize("capture", ["always", "never"])
+def test_quick_persistent_ids_give_torchs_answers(capture, monkeypatch):
+    """The pickle fastpersist plans with equals torch's own _save with the
+    stdlib pickle, for storages of every kind (legacy typed, typed, untyped,
+    behind a tensor subclass), while torch's persistent_id is asked about
+    fewer objects: the skipped ones are answered without it."""
+    monkeypatch.setattr(_torch_api, "CAPTURE", capture)
+    data = torch.arange(12, dtype=torch.float32)
+    obj = {"corpus": corpus(), "legacy": torch.FloatStorage(4),
+           "typed": torch.storage.TypedStorage(wrap_storage=data.untyped_storage(), dtype=torch.float32, _internal=True),
+           "untyped": torch.ones(3).untyped_storage(), "subclass": data.as_subclass(Tensorish),
+           "types": [torch.float16, torch.device("cpu"), torch.strided, torch.Size([2]), 2j,
+                     b"b", 1.5, True, None, corpus, Tensorish]}
+    asked = []
+
+    def counting(pickler_class):
+        class Counting(pickler_class):
+            def __init_subclass__(cls, **kwargs):
+                theirs = cls.persistent_id
+
+                def persistent_id(self, o):
+                    asked.append(o)
+                    return theirs(self, o)
+                cls.persistent_id = persistent_id  # torch's, counted, before the quick wrapper sees it
+                super().__init_subclass__(**kwargs)
+        return Counting
+
+    reference = torch_format.RecordingZipWriter()
+    ts._save(obj, reference, types.SimpleNamespace(Pickler=counting(pickle.Pickler)), PROTOCOL, False)
+    torchs = len(asked)
+    asked.clear()
+    if capture == "always":  # the capturing Pickler wraps the caller's
+        recorder, _ = captured(obj, types.SimpleNamespace(Pickler=counting(pickle.Pickler)))
+    else:  # the stdlib's pickle is swapped for the quick one
+        quick = _torch_api._quick_persistent_ids(counting(pickle.Pickler))
+        monkeypatch.setattr(_torch_api, "_QUICK_PICKLE", types.SimpleNamespace(Pickler=quick))
+        recorder, _ = captured(obj)
+    assert recorder.records[0].name == "data.pkl" and recorder.records[0].data == reference.records[0].data
+    assert [(r.name, r.nbytes) for r in recorder.records] == [(r.name, r.nbytes) for r in reference.records]
+    assert 0 < len(asked) < torchs / 3
+    assert not any(type(o) in _torch_api._NEVER_STORAGES for o in asked)
+
+
 def quantized():
     return {"q": torch.quantize_per_tensor(torch.randn(20), 0.1, 3, torch.qint8), "w": torch.ones(4)}
 
