@@ -482,6 +482,8 @@ def _save_async_partitioned(obj, f, group, opts: Options, pickle_module, pickle_
 
 def wait_for_saves_to(path: str) -> None:
     """Waits for unfinished save_async calls to path (their errors stay theirs)."""
+    if not _writer.pending:  # every save calls this; most processes have none in flight
+        return
     target = os.path.realpath(path)
     for handle in _writer.unfinished(target):
         handle._event.wait()

@@ -118,6 +118,21 @@ def test_environment_options(monkeypatch):
     monkeypatch.setenv("FASTPERSIST_NUM_BUFFERS", "many")
     with pytest.raises(ValueError, match="num_buffers"):
         fastpersist.patching.current_options()
+    with pytest.raises(ValueError, match="num_buffers"):  # every time it is met, not once
+        fastpersist.patching.current_options()
+
+
+def test_environment_is_read_on_every_call(monkeypatch):
+    """Options parsed once per set of values, and still read anew on each
+    call: a program may change the variables between saves."""
+    monkeypatch.delenv("FASTPERSIST_BUFFER_SIZE", raising=False)
+    default = fastpersist.patching.current_options().buffer_size
+    for value, expected in (("8M", 8 << 20), ("2M", 2 << 20), ("8M", 8 << 20), ("", default)):
+        monkeypatch.setenv("FASTPERSIST_BUFFER_SIZE", value)
+        assert fastpersist.patching.current_options().buffer_size == expected
+        assert fastpersist.patching.current_options().buffer_size == expected
+    monkeypatch.delenv("FASTPERSIST_BUFFER_SIZE")
+    assert fastpersist.patching.current_options().buffer_size == default
 
 
 @pytest.mark.parametrize("target", ["bytesio", "fileobj"])
