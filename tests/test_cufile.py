@@ -110,19 +110,29 @@ def test_a_bad_transfer_is_named(monkeypatch):
 
 def test_cpu_saves_and_loads_map_no_cuda_library(tmp_path):
     """Even with transfer='gds' asked for and a libcufile named: CPU tensors
-    never meet CUDA, so nothing of it is loaded."""
+    never meet CUDA, so nothing of it is loaded and CUDA is not started. (A
+    CUDA build of torch maps libcudart and its own libcufile when imported:
+    those are torch's, and fastpersist must add none.)"""
     script = f"""
-import torch, fastpersist
+import torch
+def cuda_libraries():
+    return sorted({{line.split()[-1] for line in open("/proc/self/maps")
+                    if any(n in line for n in ("libcufile", "libcuda", "libcudart"))}})
+torchs = cuda_libraries()
+import fastpersist
 state = {{"w": torch.randn(1000), "step": 3}}
 fastpersist.save(state, {str(tmp_path / 'c.pt')!r}, transfer="gds")
 back = fastpersist.load({str(tmp_path / 'c.pt')!r})
 fastpersist.load_into(state, {str(tmp_path / 'c.pt')!r}, transfer="gds")
 assert torch.equal(back["w"], state["w"])
-print(sorted({{line.split()[-1] for line in open("/proc/self/maps") if any(n in line for n in ("libcufile", "libcuda", "libcudart"))}}))
+assert not torch.cuda.is_initialized()
+import json
+print(json.dumps({{"torch": torchs if torch.version.cuda else [], "after": cuda_libraries()}}))
 """
     env = dict(os.environ, FASTPERSIST_CUFILE_LIBRARY=str(CU13_LIB), CUDA_VISIBLE_DEVICES="")
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip().splitlines()[-1] == "[]"
+    mapped = json.loads(out.stdout.strip().splitlines()[-1])
+    assert mapped["after"] == mapped["torch"]
 
 
 def test_info_reports_cufile(tmp_path):
