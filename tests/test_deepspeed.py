@@ -93,3 +93,18 @@ def test_save_checkpoint_and_resume(tmp_path, mode):
     assert result["latest"] == "s3"
     assert result["file_holds_save_time"]
     assert result["resume_equal"]
+
+
+def test_the_benchmark_runs_at_its_smallest(tmp_path):
+    """benchmarks/deepspeed_save_model.py at one layer and one round: every
+    engine measured and reported, DeepSpeed's own fast engine (DeepNVMe)
+    included, and its checkpoints removed."""
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "deepspeed_save_model.py")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    out = subprocess.run([sys.executable, script, "--layers", "1", "--repeats", "1", "--folder", str(tmp_path)],
+                         capture_output=True, text=True, timeout=900, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "not run here" not in out.stdout, out.stdout
+    rows = {line[:20].strip() for line in out.stdout.splitlines()}
+    assert {"torch", "deepspeed fast", "fastpersist", "fastpersist async"} <= rows, out.stdout
+    assert os.listdir(tmp_path) == []
