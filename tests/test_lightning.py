@@ -17,22 +17,29 @@ from fastpersist.patching import original_load  # noqa: E402
 L = lightning.pytorch
 
 
-class Regression(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
-        self.seen_at_epoch_end = {}
+def regression_class(pl):
+    class Regression(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+            self.seen_at_epoch_end = {}
 
-    def training_step(self, batch, _):
-        x, y = batch
-        return torch.nn.functional.mse_loss(self.net(x), y)
+        def training_step(self, batch, _):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
 
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
-    def on_train_epoch_end(self):
-        # what a checkpoint taken at this epoch's end must hold
-        self.seen_at_epoch_end[self.current_epoch] = {k: v.detach().clone() for k, v in self.state_dict().items()}
+        def on_train_epoch_end(self):
+            # what a checkpoint taken at this epoch's end must hold
+            self.seen_at_epoch_end[self.current_epoch] = {k: v.detach().clone()
+                                                          for k, v in self.state_dict().items()}
+
+    return Regression
+
+
+Regression = regression_class(L)
 
 
 def data():
@@ -41,24 +48,36 @@ def data():
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=32)
 
 
-def trainer(folder, plugin, epochs, **kwargs):
-    checkpoints = L.callbacks.ModelCheckpoint(dirpath=folder, filename="epoch{epoch}", every_n_epochs=1,
-                                              save_top_k=-1, save_last=True, auto_insert_metric_name=False)
-    return L.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, plugins=[plugin], callbacks=[checkpoints],
-                     logger=False, enable_progress_bar=False, enable_model_summary=False, **kwargs)
+def trainer(folder, plugin, epochs, pl=L, **kwargs):
+    checkpoints = pl.callbacks.ModelCheckpoint(dirpath=folder, filename="epoch{epoch}", every_n_epochs=1,
+                                               save_top_k=-1, save_last=True, auto_insert_metric_name=False)
+    return pl.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, plugins=[plugin], callbacks=[checkpoints],
+                      logger=False, enable_progress_bar=False, enable_model_summary=False, **kwargs)
 
 
-@pytest.mark.parametrize("plugin", [FastPersistCheckpointIO, AsyncFastPersistCheckpointIO])
-def test_fit_checkpoint_and_resume(tmp_path, plugin, monkeypatch):
+def package(name: str) -> tuple:
+    """(the Lightning package's trainer module, fastpersist's plugins for it)."""
+    if name == "lightning":
+        return L, (FastPersistCheckpointIO, AsyncFastPersistCheckpointIO)
+    pl = pytest.importorskip("pytorch_lightning", reason="pytorch_lightning is not installed")
+    from fastpersist.integrations import pytorch_lightning as plugins
+    return pl, (plugins.FastPersistCheckpointIO, plugins.AsyncFastPersistCheckpointIO)
+
+
+@pytest.mark.parametrize("which", ["lightning", "pytorch_lightning"])
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_fit_checkpoint_and_resume(tmp_path, which, asynchronous, monkeypatch):
+    pl, plugins = package(which)
+    plugin, Model = plugins[asynchronous], regression_class(pl)
     torch.manual_seed(0)
     saved = []
-    real_save = fastpersist.save_api.save if plugin is FastPersistCheckpointIO else fastpersist.async_save.save_async
+    real_save = fastpersist.async_save.save_async if asynchronous else fastpersist.save_api.save
     module = fastpersist.integrations._checkpoint_io
-    name = "save" if plugin is FastPersistCheckpointIO else "save_async"
+    name = "save_async" if asynchronous else "save"
     monkeypatch.setattr(module, name, lambda obj, path, **kw: (saved.append(path), real_save(obj, path, **kw))[1])
 
-    model = Regression()
-    trainer(tmp_path, plugin(), epochs=3).fit(model, data())
+    model = Model()
+    trainer(tmp_path, plugin(), epochs=3, pl=pl).fit(model, data())
     fastpersist.wait_for_releases()  # last.ckpt was replaced: its old copy is freed in the background
     files = sorted(os.listdir(tmp_path))
     assert files == ["epoch0.ckpt", "epoch1.ckpt", "epoch2.ckpt", "last.ckpt"], files
@@ -71,10 +90,17 @@ def test_fit_checkpoint_and_resume(tmp_path, plugin, monkeypatch):
             assert torch.equal(ckpt["state_dict"][key], value), (epoch, key)
         assert ckpt["optimizer_states"][0]["state"], "optimizer state saved"
 
-    resumed = Regression()
-    t = trainer(tmp_path / "resumed", plugin(), epochs=4)
+    torch.manual_seed(1)  # other initial weights: the checkpoint must bring them back
+    resumed = Model()
+    t = trainer(tmp_path / "resumed", plugin(), epochs=4, pl=pl)
     t.fit(resumed, data(), ckpt_path=str(tmp_path / "last.ckpt"), weights_only=False)
     assert t.current_epoch == 4 and sorted(resumed.seen_at_epoch_end) == [3]  # only the epoch it had left
+
+    torch.manual_seed(0)
+    uninterrupted = Model()
+    trainer(tmp_path / "uninterrupted", plugin(), epochs=4, pl=pl).fit(uninterrupted, data())
+    for key, value in uninterrupted.state_dict().items():  # step for step the same training
+        assert torch.equal(resumed.state_dict()[key], value), key
 
 
 def test_a_failed_background_save_is_raised_by_the_plugin(tmp_path, monkeypatch):
