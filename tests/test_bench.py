@@ -327,3 +327,15 @@ def test_micro_benchmark_scripts_run_on_the_one_harness(script, tmp_path):
     assert names == expected, out.stdout
     for line in lines:
         assert re.match(r"\S+ -- 0\.00 GB, \d+\.\d\d secs, \d+\.\d\d GB/s", line), line
+
+
+def test_small_save_script_reports_every_mechanism_and_leaves_nothing(tmp_path):
+    """benchmarks/small_save.py at one round of one save: a row per mechanism,
+    torch.save + fsync at 1.000, and no checkpoint left behind."""
+    out = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "small_save.py"), "--repeats", "1",
+                          "--saves", "1", "--folder", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = {line[:28].strip(): line[28:].split() for line in out.stdout.splitlines()[2:]}
+    assert set(rows) == {"torch.save + fsync", "fastpersist.save", "atomic=False", "atomic=False, fsync=False"}
+    assert rows["torch.save + fsync"][1] == "1.000"
+    assert os.listdir(tmp_path) == []
