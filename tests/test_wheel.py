@@ -2,6 +2,7 @@
 are inside the module (from their static archives), so it needs no Debian
 package at run time; ISA-L is loaded at run time, never linked."""
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -20,7 +21,8 @@ def static_archive(lib: str):
 
 
 @pytest.fixture(scope="module")
-def wheel_module(tmp_path_factory):
+def built_wheel(tmp_path_factory):
+    """(the wheel file, its engine module unpacked)."""
     if not shutil.which("readelf"):
         pytest.skip("needs readelf (binutils)")
     if not static_archive("uring") or not static_archive("aio"):
@@ -43,7 +45,12 @@ def wheel_module(tmp_path_factory):
         names = [n for n in z.namelist() if "_engine_cffi" in n and n.endswith(".so")]
         assert len(names) == 1, z.namelist()
         z.extract(names[0], out / "unpacked")
-    return out / "unpacked" / names[0]
+    return wheels[0], out / "unpacked" / names[0]
+
+
+@pytest.fixture(scope="module")
+def wheel_module(built_wheel):
+    return built_wheel[1]
 
 
 def needed(path) -> list:
@@ -89,3 +96,64 @@ def test_the_wheels_engine_has_io_uring_and_libaio_and_runs(wheel_module, tmp_pa
             os.close(fd)
             lib.fp_engine_destroy(engine[0])
         assert path.read_bytes() == data
+
+
+# what a user without privileges lacks: locking memory beyond a small limit,
+# and overriding file permissions or administering the system
+UNPRIVILEGED = "cap_ipc_lock,cap_sys_admin,cap_sys_resource,cap_dac_override,cap_dac_read_search,cap_fowner"
+
+ROUND_TRIP = """
+import json, os, resource, subprocess, sys
+resource.setrlimit(resource.RLIMIT_MEMLOCK, (8 << 20, 8 << 20))  # an unprivileged user's default
+import torch, fastpersist
+info = json.loads(subprocess.run([sys.executable, "-m", "fastpersist", "info", "--json", "--folder", "."],
+                                 capture_output=True, text=True, check=True).stdout)
+state = {"w": torch.randn(3000, 300), "b": torch.arange(1000), "step": 7}
+fastpersist.save(state, "c.pt")
+back = fastpersist.load("c.pt")
+vanilla = fastpersist.patching.original_load()("c.pt", weights_only=True)
+print(json.dumps({"module": fastpersist.__file__, "engines_start": info["engines_start"],
+                  "engines_missing": info["engines_missing"], "linked": info["engines_linked"],
+                  "equal": all(torch.equal(back[k], state[k]) and torch.equal(vanilla[k], state[k])
+                               for k in ("w", "b")) and back["step"] == 7}))
+"""
+
+
+def test_the_wheel_installed_in_a_virtualenv_runs_without_privileges(built_wheel, tmp_path):
+    """pip installs the wheel into a new virtualenv (torch and cffi seen from
+    this interpreter's packages); there, with the capabilities a user
+    lacks dropped and RLIMIT_MEMLOCK at 8 MiB, `fastpersist info` starts
+    io_uring and libaio, links them built in, and a save reads back
+    through fastpersist and vanilla torch.load."""
+    if os.geteuid() != 0 or not shutil.which("capsh"):
+        pytest.skip("needs root and capsh to drop the capabilities a user lacks")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    install = subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(built_wheel[0])],
+                             capture_output=True, text=True, timeout=300)
+    assert install.returncode == 0, install.stderr
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FASTPERSIST_", "PYTHON"))}
+    out = subprocess.run(["capsh", f"--drop={UNPRIVILEGED}", "--", "-c", f"{python} -c \"$0\"", ROUND_TRIP],
+                         cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    if "Operation not permitted" in out.stderr and "capsh" in out.stderr:
+        pytest.skip(f"capsh cannot drop capabilities here: {out.stderr.strip()[:200]}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["module"].startswith(str(venv)), result["module"]  # the wheel's, not this checkout's
+    assert result["engines_missing"] == [] and result["linked"] == {"io_uring": "built in", "libaio": "built in"}
+    assert result["engines_start"]["libaio"] == "OK", result["engines_start"]
+    if io_uring_open_to_users():
+        assert result["engines_start"]["io_uring"] == "OK", result["engines_start"]
+    assert result["equal"]
+
+
+def io_uring_open_to_users() -> bool:
+    """kernel.io_uring_disabled absent or 0: io_uring is open to every user."""
+    try:
+        with open("/proc/sys/kernel/io_uring_disabled") as f:
+            return f.read().strip() == "0"
+    except FileNotFoundError:
+        return True
