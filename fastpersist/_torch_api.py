@@ -12,6 +12,7 @@ import io
 import pickle
 import re
 import sys
+import types
 from typing import Callable, Optional
 
 import torch
@@ -97,7 +98,7 @@ def pickle_into(obj, zip_writer, pickle_module, pickle_protocol: int, disable_by
 # and torch's answers through three Python calls; a state dict's pickling
 # takes ~15% less time when these are answered by one set lookup.
 _NEVER_STORAGES = frozenset((int, float, bool, str, bytes, type(None), complex, tuple, list, dict,
-                             collections.OrderedDict, type, type(pickle.dumps), type(len),
+                             collections.OrderedDict, type, types.FunctionType, types.BuiltinFunctionType,
                              type(torch.FloatStorage), torch.Tensor, torch.nn.Parameter, torch.Size,
                              torch.dtype, torch.device, torch.layout, torch.memory_format))
 

@@ -156,7 +156,7 @@ def set_patched_options(options: "Options | None") -> None:
 
 _VARIABLES = {name: "FASTPERSIST_" + name.upper() for name in _FIELD_TYPES}
 _from_environment: dict = {}  # {the variables' values: Options}, the last few
-_ENCODED_VARIABLES = tuple(os.fsencode(v) for v in _VARIABLES.values())
+_ENCODED_VARIABLES = tuple(map(os.environ.encodekey, _VARIABLES.values()))  # the keys of os.environ._data
 _from_raw_environment: dict = {}  # {the variables' encoded values, as os.environ holds them: Options}
 
 
