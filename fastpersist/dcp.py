@@ -272,9 +272,10 @@ class FastPersistWriter(_CheckpointFolder, StorageWriter, AsyncStager):
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:
                 continue
+            # A tensor on a GPU stays there: planning captures its storage and
+            # writing streams it through the engine's buffers, so a rank's
+            # device state is never all in host memory at once.
             tensor = planner.resolve_data(item).detach()
-            if tensor.device.type != "cpu":
-                tensor = tensor.cpu()
             if tensor.untyped_storage().nbytes() != tensor.nbytes:
                 tensor = tensor.clone()  # a view: save its own bytes, not the whole storage (as DCP does)
             # torch.save to a file object names its records "archive/..."

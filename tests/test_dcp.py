@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from fastpersist import async_save, dcp as fp_dcp, release, torch_format
+from fastpersist import _torch_api, async_save, dcp as fp_dcp, release, torch_format
 from fastpersist.dcp import FastPersistReader, FastPersistWriter
 
 
@@ -97,9 +97,19 @@ def _records(path, info):
             for name, r in index.records.items() if not name.endswith("serialization_id")}
 
 
-def test_the_data_file_holds_the_stock_writers_records_at_the_stock_writers_offsets(tmp_path):
+@pytest.mark.parametrize("streamed", [False, True], ids=["copied", "captured and streamed"])
+def test_the_data_file_holds_the_stock_writers_records_at_the_stock_writers_offsets(tmp_path, streamed, monkeypatch):
+    """streamed: storages captured while planning and written through the
+    engine's reservations, the way a GPU tensor's are (forced for CPU ones)."""
+    streams = []
+    if streamed:
+        monkeypatch.setattr(_torch_api, "CAPTURE", "always")
+        monkeypatch.setattr(torch_format, "STREAM_CPU_STORAGES", True)
+        real = torch_format.stream_storage
+        monkeypatch.setattr(torch_format, "stream_storage", lambda *a, **k: (streams.append(a[1]), real(*a, **k))[1])
     sd = state()
     save(sd, FastPersistWriter(tmp_path / "fp"))
+    assert bool(streams) == streamed
     save(sd, dcp.FileSystemWriter(tmp_path / "stock"))
     ours = FastPersistReader(tmp_path / "fp").read_metadata().storage_data
     theirs = dcp.FileSystemReader(tmp_path / "stock").read_metadata().storage_data

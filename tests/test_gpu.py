@@ -174,6 +174,27 @@ def test_dcp_save_and_load_of_cuda_tensors(tmp_path):
     assert torch.equal(target["w"], state["w"]) and torch.equal(target["b"], state["b"])
 
 
+def test_host_memory_of_a_dcp_save_of_gpu_state_stays_within_the_buffers(tmp_path):
+    """FastPersistWriter plans each tensor on its device and streams it
+    through the buffers: no host copy of the rank's state."""
+    import torch.distributed.checkpoint as dcp
+
+    from fastpersist.dcp import FastPersistReader, FastPersistWriter
+
+    buffers = BUFFERS["buffer_size"] * BUFFERS["num_buffers"]
+    state = {f"t{i}": torch.randn(buffers // 40, device="cuda") for i in range(100)}  # 10x the buffers
+    dcp.save(state, storage_writer=FastPersistWriter(str(tmp_path / "warm"), **BUFFERS), no_dist=True)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _rss_kib()
+    dcp.save(state, storage_writer=FastPersistWriter(str(tmp_path / "m"), **BUFFERS), no_dist=True)
+    grown = (_rss_kib() - before) << 10
+    assert grown <= buffers + (8 << 20), f"host memory grew by {grown >> 20} MiB"
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(target, storage_reader=FastPersistReader(str(tmp_path / "m")), no_dist=True)
+    assert all(torch.equal(target[k], state[k]) for k in state)
+
+
 def test_a_forked_child_does_not_touch_the_registration(tmp_path):
     engine = _engine.acquire(Options(**BUFFERS))
     assert device_io.register_buffers(engine)
