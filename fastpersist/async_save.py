@@ -22,6 +22,7 @@ import queue
 import sys
 import threading
 import traceback
+import weakref
 from typing import Optional
 
 from . import _engine, _torch_api, device_io, torch_format
@@ -91,6 +92,26 @@ class _Arena:
         if hasattr(mmap, "MADV_HUGEPAGE"):
             self.memory.madvise(mmap.MADV_HUGEPAGE)  # cheaper first touch, fewer TLB misses in the copy
         self.bytes = torch.frombuffer(self.memory, dtype=torch.uint8)
+        self.registered_in = 0  # the process that registered it with CUDA, 0: none
+
+    def register_for(self, device) -> None:
+        """Before the first copy from a CUDA device into this arena: registers
+        it with CUDA (page-locked, so device-to-host copies go by DMA at full
+        speed), once. It is unregistered when the arena is collected, before
+        its mapping goes, and never in a forked child (the mapping is the
+        child's own copy there, and CUDA unusable)."""
+        if device.type != "cuda" or self.registered_in == os.getpid():
+            return
+        unregister = device_io.register_host_memory(self.bytes.data_ptr(), self.size, "snapshot memory")
+        if unregister is not None:
+            self.registered_in = os.getpid()
+            # holds the mapping until the unregistering is done; at exit the process takes both away
+            weakref.finalize(self, _unregister_in, os.getpid(), unregister, self.memory).atexit = False
+
+
+def _unregister_in(pid: int, unregister, _mapping) -> None:
+    if os.getpid() == pid:
+        unregister()
 
 
 class _SnapshotMemory:
@@ -425,6 +446,7 @@ class _SnapshotCopy:
             for storage, offset, nbytes in device_copies:
                 # one device-to-host copy, into the snapshot itself (torch's
                 # _save would first copy to fresh host memory)
+                self.arena.register_for(storage.device)
                 self.arena.bytes[offset:offset + nbytes].copy_(_as_bytes(storage))
         except BaseException as exc:  # noqa: BLE001 - raised by finish()
             self.error = exc

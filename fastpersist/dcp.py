@@ -582,6 +582,8 @@ def stage_state_dict(state_dict, opts: Options):
     # DTensors whose local tensors view one storage.
     copies, offset = [], 0
     with torch.no_grad():
+        for device in {t.device for t in tensors if t.device.type == "cuda"}:
+            arena.register_for(device)  # page-locked once: each copy from a GPU goes by DMA
         for t in tensors:
             n = t.nbytes
             if n:

@@ -27,7 +27,7 @@ import collections
 import ctypes
 import logging
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 from . import _engine, cufile
 
@@ -288,34 +288,42 @@ def register_buffers(engine: _engine.Engine) -> bool:
     True where they are registered now."""
     if engine.device_registered is not None:
         return engine.device_registered
+    unregister = register_host_memory(*engine.buffer_region(), "I/O buffers")
+    engine.device_registered = unregister is not None
+    if unregister is not None:
+        engine.before_destroy(unregister)
+    return engine.device_registered
+
+
+def register_host_memory(address: int, nbytes: int, what: str) -> Optional[Callable[[], None]]:
+    """cudaHostRegister of host memory fastpersist owns (page-locked: copies
+    between it and a GPU go by DMA, without CUDA's staging). Returns the
+    call that unregisters it, to make before the memory is unmapped; None
+    where CUDA refuses, said once in the log."""
     import torch
 
-    address, nbytes = engine.buffer_region()
-    cudart = torch.cuda.cudart()
+    cudart = torch.cuda.cudart()  # held by the returned call: it may run while Python shuts down
     rc = int(cudart.cudaHostRegister(address, nbytes, 0))
     if rc != 0:
         _clear_cuda_error()
-        _report_refusal(rc, nbytes)
-        engine.device_registered = False
-        return False
-    engine.device_registered = True
+        _report_refusal(rc, nbytes, what)
+        return None
 
-    def unregister():
+    def unregister() -> None:
         rc = int(cudart.cudaHostUnregister(address))
-        if rc != 0:  # at exit, CUDA may be gone before the engine: nothing left to undo then
+        if rc != 0:  # at exit, CUDA may be gone before the memory: nothing left to undo then
             _clear_cuda_error()
-            log.debug("fastpersist: cudaHostUnregister of an engine's buffers failed (CUDA error %d)", rc)
+            log.debug("fastpersist: cudaHostUnregister of %s failed (CUDA error %d)", what, rc)
 
-    engine.before_destroy(unregister)
-    return True
+    return unregister
 
 
-def _report_refusal(rc: int, nbytes: int) -> None:
+def _report_refusal(rc: int, nbytes: int, what: str) -> None:
     global _refusal_reported
     if not _refusal_reported:
         _refusal_reported = True
-        log.warning("fastpersist: CUDA refused to register %d MiB of I/O buffers (cudaHostRegister: CUDA error "
-                    "%d); copies between them and the GPU go through CUDA's staging, slower", nbytes >> 20, rc)
+        log.warning("fastpersist: CUDA refused to register %d MiB of %s (cudaHostRegister: CUDA error %d); "
+                    "copies between them and the GPU go through CUDA's staging, slower", nbytes >> 20, what, rc)
 
 
 def _clear_cuda_error() -> None:

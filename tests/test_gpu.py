@@ -218,6 +218,43 @@ def test_a_forked_child_does_not_touch_the_registration(tmp_path):
     assert torch.equal(torch.load(tmp_path / "f.pt")["x"], x)
 
 
+def test_snapshot_memory_of_gpu_state_is_registered_and_unregistered(tmp_path):
+    """save_async and the DCP stager copy GPU tensors into snapshot memory
+    registered with CUDA (reported pinned); a forked child collecting its
+    copy of an arena leaves CUDA alone, and the parent's arena is
+    unregistered when it goes (a new registration of the range works)."""
+    import gc
+
+    from fastpersist import async_save, dcp as fp_dcp
+
+    async_save.release_snapshot_memory()
+    x = torch.randn(8 << 20, device="cuda")
+    fastpersist.save_async({"x": x}, tmp_path / "a.pt").result()
+    arenas = list(async_save.snapshot_memory().free)
+    assert arenas and all(a.bytes.is_pinned() for a in arenas)
+    staged = fp_dcp.stage_state_dict({"x": x}, Options())
+    assert staged["x"].is_pinned() and torch.equal(staged["x"], x.cpu())
+    del staged
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            async_save.release_snapshot_memory()
+            gc.collect()
+            os.write(write, b"ok")
+        finally:
+            os._exit(0)
+    os.close(write)
+    assert os.read(read, 2) == b"ok"
+    os.waitpid(pid, 0)
+    del arenas
+    async_save.release_snapshot_memory()
+    gc.collect()
+    fastpersist.save_async({"x": x}, tmp_path / "b.pt").result()  # new arenas register again
+    assert all(a.bytes.is_pinned() for a in async_save.snapshot_memory().free)
+    assert torch.equal(torch.load(tmp_path / "b.pt")["x"], x)
+
+
 def test_concurrent_gpu_loads(tmp_path):
     path = tmp_path / "c.pt"
     state = mixed_state()
