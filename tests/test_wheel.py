@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 import zipfile
@@ -121,15 +122,22 @@ print(json.dumps({"module": fastpersist.__file__, "engines_start": info["engines
 
 def test_the_wheel_installed_in_a_virtualenv_runs_without_privileges(built_wheel, tmp_path):
     """pip installs the wheel into a new virtualenv (torch and cffi seen from
-    this interpreter's packages); there, with the capabilities a user
+    this interpreter's packages, after the venv's own); there, with the capabilities a user
     lacks dropped and RLIMIT_MEMLOCK at 8 MiB, `fastpersist info` starts
     io_uring and libaio, links them built in, and a save reads back
     through fastpersist and vanilla torch.load."""
     if os.geteuid() != 0 or not shutil.which("capsh"):
         pytest.skip("needs root and capsh to drop the capabilities a user lacks")
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = str(venv / "bin" / "python")
+    # torch and cffi from this interpreter's packages (a venv's too, which --system-site-packages
+    # would not see), after the new venv's own: the .pth only lists the folders, so the editable
+    # install of this checkout found there is not set up in the new venv
+    venv_site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    with open(os.path.join(venv_site, "outer-packages.pth"), "w") as f:
+        f.write("\n".join(site.getsitepackages()) + "\n")
     install = subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(built_wheel[0])],
                              capture_output=True, text=True, timeout=300)
     assert install.returncode == 0, install.stderr
