@@ -145,7 +145,7 @@ def test_info_reports_cufile(tmp_path):
     assert info["transfer"]["option"] == "auto" and info["transfer"]["gpu_tensors_take"] == "bounce"
     text = subprocess.run([sys.executable, "-m", "fastpersist", "info", "--folder", str(tmp_path)], env=env,
                           capture_output=True, text=True, check=True).stdout
-    assert f"cuFile:" in text and f"{CU13_LIB} (version 1.20.0)" in text
+    assert "cuFile:" in text and f"{CU13_LIB} (version 1.20.0)" in text
     assert "GPU tensors move:" in text
     if NO_DRIVER:
         assert "not opened: no NVIDIA driver (libcuda.so.1 not found)" in text

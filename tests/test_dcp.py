@@ -5,7 +5,6 @@ previous checkpoint; dcp.async_save staging in snapshot memory; gloo ranks
 with DTensor state, resharding from 2 ranks to 4."""
 import gc
 import os
-import pickle
 import warnings
 
 import pytest
