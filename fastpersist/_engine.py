@@ -134,6 +134,7 @@ class Engine:
         self._path = None
         self.generation = generation  # the pool's, at creation (a fork starts a new one)
         self.pid = os.getpid()
+        self.pool_key: Optional[tuple] = None  # set when checked out of the pool
 
     def buffer_region(self) -> tuple:
         """(address, nbytes) of the engine's buffers, one mapping, buffer i at
@@ -301,6 +302,12 @@ class Engine:
 # (each holds buffer_size * num_buffers of pre-touched, locked memory); a
 # thread that needs one more waits for another thread to release one, unless
 # it already holds one itself (a load inside a save must not deadlock).
+#
+# An engine for a file smaller than the configuration's buffers gets buffers
+# sized to the file (sized_for) and is pooled with the configuration's
+# others, counted against the same bound: a small file takes the smallest
+# idle engine that holds it, and a larger file, finding only smaller ones
+# idle at the bound, drops one to make room.
 
 
 _pool_lock = threading.Condition()
@@ -363,9 +370,33 @@ def _alive(key: tuple) -> int:
 
 
 def _check_out(key: tuple, engine: Engine) -> Engine:
+    engine.pool_key = key  # the configuration asked for: its buffers may be smaller
     _in_use.setdefault(key, weakref.WeakSet()).add(engine)
     _held.count = getattr(_held, "count", 0) + 1
     return engine
+
+
+def sized_for(options: Options, nbytes: int) -> Options:
+    """The options of an engine for a file of nbytes: options itself where
+    the file fills their buffers (or its size is unknown: 0); else buffers
+    no larger than the file can use. Creating an engine first touches and
+    locks its buffers, ~0.25 ms per MiB here (16 ms for the default 64 MiB,
+    20-150 ms in a busy or fresh process): more than a small file's whole
+    save, which the first save of a small checkpoint in a process paid."""
+    if nbytes <= 0 or nbytes >= options.buffer_size * options.num_buffers:
+        return options
+    share = -(-nbytes // options.num_buffers)
+    buffer_size = min(options.buffer_size, max(options.request_size, 1 << (share - 1).bit_length()))
+    num_buffers = min(options.num_buffers, max(2, -(-nbytes // buffer_size)))
+    return options.replace(buffer_size=buffer_size, num_buffers=num_buffers)
+
+
+def _holds(engine: Engine, need: Options) -> bool:
+    return engine.options.buffer_size >= need.buffer_size and engine.options.num_buffers >= need.num_buffers
+
+
+def _capacity(engine: Engine) -> int:
+    return engine.options.buffer_size * engine.options.num_buffers
 
 
 def _known_kind(options: Options) -> Optional[str]:
@@ -373,14 +404,17 @@ def _known_kind(options: Options) -> Optional[str]:
     return options.engine if options.engine != "auto" else _auto_kind
 
 
-def acquire(options: Options) -> Engine:
+def acquire(options: Options, nbytes: int = 0) -> Engine:
     """An idle engine for these options, from the pool or new; waits while
-    max_engines of them are in use by other threads."""
+    max_engines of them are in use by other threads. nbytes: the size of
+    the file it is for, where known (0: not): the smallest idle engine whose
+    buffers hold it, or a new one with buffers sized to it (sized_for)."""
+    need = sized_for(options, nbytes)
     kind = _known_kind(options)
     if kind is None:  # first auto use: one thread finds the engine the kernel allows
         with _auto_lock:
             if _auto_kind is None:
-                engine = _resolve_auto(options)
+                engine = _resolve_auto(need)
                 with _pool_lock:
                     return _check_out(_pool_key(engine.kind, options), engine)
         kind = _auto_kind
@@ -388,19 +422,27 @@ def acquire(options: Options) -> Engine:
         raise OSError(errno.ENOSYS, f"the {kind} engine is not compiled into this fastpersist build")
     key = _pool_key(kind, options)
     holds_one = getattr(_held, "count", 0) > 0
+    dropped = None  # an idle engine too small, making room: freed outside the lock
     with _pool_lock:
         while True:
             idle = _idle.get(key)
-            if idle:
-                return _check_out(key, idle.pop())
+            fitting = [e for e in idle if _holds(e, need)] if idle else ()
+            if fitting:
+                engine = min(fitting, key=_capacity)
+                idle.remove(engine)
+                return _check_out(key, engine)
             if _alive(key) < options.max_engines or holds_one:
                 _creating[key] = _creating.get(key, 0) + 1
                 break
+            if idle:  # at the bound with only smaller engines idle: one makes room
+                dropped = idle.pop(0)
+                continue
             # released engines notify; one dropped without release() only
             # leaves the WeakSet, so look again now and then
             _pool_lock.wait(timeout=0.5)
+    del dropped
     try:
-        engine = _create(kind, options)
+        engine = _create(kind, need)
     finally:
         with _pool_lock:
             _creating[key] -= 1
@@ -414,7 +456,7 @@ def release(engine: Engine) -> None:
     _held.count = max(0, getattr(_held, "count", 0) - 1)
     if engine.generation != _generation:
         return  # created before a fork: unusable here
-    key = _pool_key(engine.kind, engine.options)
+    key = engine.pool_key or _pool_key(engine.kind, engine.options)
     with _pool_lock:
         _in_use.get(key, set()).discard(engine)
         # over the bound (a nested acquire went past it): drop it instead of pooling it
@@ -423,14 +465,15 @@ def release(engine: Engine) -> None:
         _pool_lock.notify()
 
 
-def has_idle(options: Options) -> bool:
-    """Whether acquire(options) would hand out an engine that exists (no
-    buffers to lock and register first)."""
+def has_idle(options: Options, nbytes: int = 0) -> bool:
+    """Whether acquire(options, nbytes) would hand out an engine that exists
+    (no buffers to lock and register first)."""
     kind = _known_kind(options)
     if kind is None:
         return False
+    need = sized_for(options, nbytes)
     with _pool_lock:
-        return bool(_idle.get(_pool_key(kind, options)))
+        return any(_holds(e, need) for e in _idle.get(_pool_key(kind, options), ()))
 
 
 def pool_size() -> int:

@@ -43,12 +43,13 @@ def same_file(a: os.stat_result, b: os.stat_result) -> bool:
 
 
 @contextlib.contextmanager
-def reading_engine(path: str, options: Options):
-    """An engine from the pool and an O_DIRECT descriptor for path (-1 where
-    refused or not wanted), returned to the pool and closed afterwards."""
+def reading_engine(path: str, options: Options, nbytes: int = 0):
+    """An engine from the pool (for a file of nbytes, where known: see
+    _engine.acquire) and an O_DIRECT descriptor for path (-1 where refused
+    or not wanted), returned to the pool and closed afterwards."""
     direct_fd = open_direct(path, os.O_RDONLY) if options.direct else -1
     try:
-        engine = _engine.acquire(options)
+        engine = _engine.acquire(options, nbytes)
         try:
             yield engine, direct_fd
         finally:

@@ -256,7 +256,7 @@ def _load_through_buffers(image: "_CheckpointImage", map_location, weights_only:
     reader = _DeviceTargetReader(image.index, image.read_at, source=image.path)
     result = _unpickle(reader, image.path, restore, weights_only, pickle_module, load_args, pickle_load_args)
     try:
-        with reading_engine(image.path, image.options) as (engine, direct_fd):
+        with reading_engine(image.path, image.options, image.size) as (engine, direct_fd):
             crcs = device_io.read_into(engine, direct_fd, image.fd, image.path, pieces, checksums=verify,
                                       transfer=image.options.transfer)
     except EOFError:
@@ -441,11 +441,11 @@ class _CheckpointImage:
         virtio disk here, straight-in reads ran at 0.57x into fragmented
         memory; a 2 GB load was 1.24x faster this way in a fresh process).
         started, if given, is set once only the read's own call is left."""
-        if self.size < SMALL_LOAD_BYTES and not _engine.has_idle(self.options):
+        if self.size < SMALL_LOAD_BYTES and not _engine.has_idle(self.options, self.size):
             if started is not None:
                 started.set()
             return read_extents_through_page_cache(self.fd, self.path, extents, checksums)
-        with reading_engine(self.path, self.options) as (engine, direct_fd):
+        with reading_engine(self.path, self.options, self.size) as (engine, direct_fd):
             if started is not None:
                 started.set()
             return read_extents(engine, direct_fd, self.fd, self.path, extents, checksums)
@@ -797,13 +797,13 @@ class _DataAhead:
         _CheckpointImage.read_extents; asking the kernel to read it ahead
         while the layout runs made that slower here)."""
         span = image.index.data_span()
-        if span is None or (image.size < SMALL_LOAD_BYTES and not _engine.has_idle(image.options)):
+        if span is None or (image.size < SMALL_LOAD_BYTES and not _engine.has_idle(image.options, image.size)):
             return None
         start, end = span
         # the pickle, torch's small records and the local headers first: reads queued after the data's wait for it
         image.prefetch_pickle()
         image.prefetch_local_headers()
-        context = reading_engine(image.path, image.options)
+        context = reading_engine(image.path, image.options, image.size)
         engine, direct_fd = context.__enter__()
         try:
             return cls(device_io.PullRead(engine, direct_fd, image.fd, image.path, start, end), context)
@@ -976,7 +976,7 @@ class _Plan:
         checksums."""
         try:
             if through_buffers:
-                with reading_engine(image.path, image.options) as (engine, direct_fd):
+                with reading_engine(image.path, image.options, image.size) as (engine, direct_fd):
                     return device_io.read_into(engine, direct_fd, image.fd, image.path, extents, checksums,
                                               transfer=image.options.transfer)
             with prefaulting(extents):

@@ -105,6 +105,39 @@ def test_threads_save_and_load_with_a_bounded_pool(folder, configure, kind):
     assert leftovers(folder) == []
 
 
+def _idle_engines() -> list:
+    return [e for idle in _engine._idle.values() for e in idle]
+
+
+def _capacity(engine) -> int:
+    return engine.options.buffer_size * engine.options.num_buffers
+
+
+@pytest.mark.parametrize("kind", ["auto"] + ENGINES)
+def test_a_small_file_gets_an_engine_sized_to_it_within_the_pools_bound(folder, configure, kind):
+    """A new engine for a small file has buffers sized to the file (its
+    creation is what a first small save in a process paid); it is pooled
+    and reused, and counts against max_engines: a larger file finding only
+    it idle at the bound drops it for an engine of the configured size,
+    which small files then take too."""
+    opts = configure(engine=kind, buffer_size="4M", num_buffers="4", request_size="1M", max_engines="1")
+    full = opts.buffer_size * opts.num_buffers
+    small = {"t": torch.arange(50_000, dtype=torch.float32)}  # 200 KB
+    fastpersist.save(small, folder / "s1.pt")
+    (first,) = _idle_engines()
+    assert first.options.buffer_size == 1 << 20 and _capacity(first) == 2 << 20 < full
+    fastpersist.save(small, folder / "s2.pt")
+    assert _idle_engines() == [first]  # reused, not made again
+    large = {"t": torch.arange(5_000_000, dtype=torch.float32)}  # 20 MB: fills the configured buffers
+    fastpersist.save(large, folder / "l.pt")
+    (second,) = _idle_engines()
+    assert _capacity(second) == full and _engine.pool_size() == 1  # the small one made room
+    fastpersist.save(small, folder / "s3.pt")
+    assert _idle_engines() == [second]  # an idle engine that holds the file: no new one
+    for name, obj in (("s1", small), ("s2", small), ("l", large), ("s3", small)):
+        _assert_same(vanilla_load(folder / f"{name}.pt"), obj)
+
+
 def test_first_auto_use_by_many_threads_stays_bounded(folder, monkeypatch):
     for name in list(os.environ):
         if name.startswith("FASTPERSIST_") and name != "FASTPERSIST_AUTOPATCH":
