@@ -92,10 +92,12 @@ def test_default_bench(tmp_path):
     assert doc["machine"]["filesystem"]["type"] and "options" in doc["machine"]["filesystem"]
     assert doc["page_cache"]["fadvise"] and not doc["page_cache"]["drop_caches"]
     results = doc["results"]
-    assert {r["operation"] for r in results} == {"save, new file", "save, over existing", "load, fresh process",
-                                                 "load, same process"}
+    assert {r["operation"] for r in results} == {"save, new file", "save, over existing", "save, fresh process",
+                                                 "load, fresh process", "load, same process"}
     mechanisms = {(r["operation"], r["mechanism"]) for r in results}
     for expected in [("save, new file", "raw engine write (ceiling)"), ("load, fresh process", "torch.load(mmap=True)"),
+                     ("save, fresh process", "fastpersist.save"),
+                     ("save, fresh process", "raw engine write, from scratch (ceiling)"),
                      ("load, same process", "fastpersist.load_into (existing model)"),
                      ("load, fresh process", "raw engine read, from scratch (ceiling)"),
                      ("load, fresh process", "raw engine read, memory and engine set up")]:

@@ -1,5 +1,5 @@
-"""What a fresh process measures for ``fastpersist bench``: one load, or one
-restart (build the model, restore it, take a first step). Started by
+"""What a fresh process measures for ``fastpersist bench``: one load, one
+save, or one restart (build the model, restore it, take a first step). Started by
 fresh.FreshProcesses; the result goes back through a pipe as a dict:
 ``{"ok": True, "seconds": ..., "phases": {...}, ...}``."""
 from __future__ import annotations
@@ -123,6 +123,56 @@ def _load(spec: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------
+# one save to a new file, the first of the process
+
+
+def _save(spec: dict) -> dict:
+    """The state is the checkpoint's, read untimed by torch's own load (no
+    engine started); then one save to a new file, fsync included, removed
+    afterwards: what a job that saves once (an export, an adapter at the
+    end of a short run) or a job's first save pays."""
+    import fastpersist
+    from fastpersist.patching import original_load, original_save
+
+    from . import common
+
+    mechanism, target = spec["mechanism"], spec["target"]
+    options = _options(spec)
+    state = original_load()(spec["path"], weights_only=True)
+    _warm_up()
+    with common.PhaseClock() as clock:
+        if mechanism != "torch.save + fsync":
+            from fastpersist import _engine
+
+            clock.hook(_engine, "acquire", "engine start")
+        start = time.perf_counter()
+        if mechanism == "torch.save + fsync":
+            original_save()(state, target)
+            common.fsync_path(target)
+        elif mechanism == "fastpersist.save":
+            fastpersist.save(state, target, **spec["options"])
+        elif mechanism == "raw engine write, from scratch":
+            from fastpersist import FastFileWriter
+
+            storages = [s for s in common.distinct_storages(state) if s.nbytes()]
+            size = os.path.getsize(spec["path"])
+            with FastFileWriter(target, exclusive=True, sole_writer=True, options=options,
+                                expected_size=size) as writer:
+                written = 0
+                for storage in storages:
+                    writer.write_address(storage.data_ptr(), storage.nbytes())
+                    written += storage.nbytes()
+                writer.write_zeros(size - written)  # as many bytes as the checkpoint file
+        else:
+            raise ValueError(f"unknown save mechanism {mechanism!r}")
+        end = time.perf_counter()
+    os.unlink(target)
+    started = clock.seconds.get("engine start", 0.0)
+    phases = {"engine start": started, "rest": end - start - started} if started else {}
+    return {"seconds": end - start, "phases": phases}
+
+
+# ---------------------------------------------------------------------------
 # one restart: build the model, restore it, first step
 
 
@@ -185,4 +235,4 @@ def _restart(spec: dict) -> dict:
             "phases": {"build": built - start, "restore": restored - built, "first step": end - restored}}
 
 
-_MEASURES = {"load": _load, "restart": _restart}
+_MEASURES = {"load": _load, "save": _save, "restart": _restart}

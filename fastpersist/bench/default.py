@@ -352,9 +352,35 @@ class DefaultBench:
                                  in_fresh_process("raw engine read, all set up", engine), prepare))
         return out
 
+    def fresh_process_saves(self) -> list:
+        """The first save of a process, to a new file: a new engine's start is
+        part of it, as it is of any job that saves once."""
+        operation, out = "save, fresh process", []
+
+        def in_fresh_process(mechanism: str, engine: Optional[str], name: str):
+            target = self.workspace.file(name)
+
+            def measure():
+                spec = {"kind": "save", "mechanism": mechanism, "path": self.checkpoint, "target": target,
+                        "options": dataclasses.asdict(self.opts(engine or "auto"))}
+                result = self.fresh.run(spec)
+                return result["seconds"], result["phases"]
+            label = mechanism + (" (ceiling)" if mechanism.startswith("raw") else "")
+            return Mechanism(Series(operation, label, engine or "-", role=roles[mechanism]), measure,
+                             prepare=lambda: common.remove(target), cleanup=lambda: common.remove(target))
+
+        roles = {"torch.save + fsync": "vanilla", "fastpersist.save": "fastpersist",
+                 "raw engine write, from scratch": "ceiling"}
+        out.append(in_fresh_process("torch.save + fsync", None, "fresh-torch.pt"))
+        for engine in self.engines:
+            out.append(in_fresh_process("fastpersist.save", engine, f"fresh-fastpersist-{engine}.pt"))
+            out.append(in_fresh_process("raw engine write, from scratch", engine, f"fresh-raw-{engine}.bin"))
+        return out
+
     # -- the rounds ----------------------------------------------------------
     def run(self) -> list:
-        mechanisms = self.save_mechanisms() + self.fresh_process_loads() + self.same_process_loads()
+        mechanisms = (self.save_mechanisms() + self.fresh_process_saves() + self.fresh_process_loads()
+                      + self.same_process_loads())
         with common.progress(len(mechanisms) * self.args.repeats + 1, "fastpersist bench") as bar:
             self.prepare(bar)
             bar.update()
