@@ -15,6 +15,8 @@ import fastpersist
 from fastpersist import _engine, device_io
 from fastpersist.options import Options
 
+from conftest import fork_child
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)")
 
 BUFFERS = dict(buffer_size=4 << 20, num_buffers=4)
@@ -196,23 +198,17 @@ def test_host_memory_of_a_dcp_save_of_gpu_state_stays_within_the_buffers(tmp_pat
 
 
 def test_a_forked_child_does_not_touch_the_registration(tmp_path):
-    engine = _engine.acquire(Options(**BUFFERS))
-    assert device_io.register_buffers(engine)
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child drops its copy of the engine: no cudaHostUnregister there
-        try:
-            del engine
-            import gc
+    held = [_engine.acquire(Options(**BUFFERS))]  # the only reference: the child can drop its copy
+    assert device_io.register_buffers(held[0])
 
-            gc.collect()
-            os.write(write, b"ok")
-        finally:
-            os._exit(0)
-    os.close(write)
-    assert os.read(read, 2) == b"ok"
-    os.waitpid(pid, 0)
-    _engine.release(engine)
+    def drop_the_engine():  # the child drops its copy of the engine: no cudaHostUnregister there
+        import gc
+
+        held.clear()
+        gc.collect()
+
+    assert os.waitpid(fork_child(drop_the_engine), 0)[1] == 0
+    _engine.release(held.pop())
     x = torch.ones(4 << 20, device="cuda")
     fastpersist.save({"x": x}, tmp_path / "f.pt", **BUFFERS)  # the parent's registration still works
     assert torch.equal(torch.load(tmp_path / "f.pt")["x"], x)
@@ -235,18 +231,13 @@ def test_snapshot_memory_of_gpu_state_is_registered_and_unregistered(tmp_path):
     staged = fp_dcp.stage_state_dict({"x": x}, Options())
     assert staged["x"].is_pinned() and torch.equal(staged["x"], x.cpu())
     del staged
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            async_save.release_snapshot_memory()
-            gc.collect()
-            os.write(write, b"ok")
-        finally:
-            os._exit(0)
-    os.close(write)
-    assert os.read(read, 2) == b"ok"
-    os.waitpid(pid, 0)
+
+    def free_the_arenas():
+        arenas.clear()
+        async_save.release_snapshot_memory()
+        gc.collect()
+
+    assert os.waitpid(fork_child(free_the_arenas), 0)[1] == 0
     del arenas
     async_save.release_snapshot_memory()
     gc.collect()
