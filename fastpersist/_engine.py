@@ -13,6 +13,7 @@ An engine whose operation failed is never handed out again.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import threading
@@ -388,6 +389,12 @@ def sized_for(options: Options, nbytes: int) -> Options:
     share = -(-nbytes // options.num_buffers)
     buffer_size = min(options.buffer_size, max(options.request_size, 1 << (share - 1).bit_length()))
     num_buffers = min(options.num_buffers, max(2, -(-nbytes // buffer_size)))
+    return _with_buffers(options, buffer_size, num_buffers)
+
+
+@functools.lru_cache(maxsize=64)
+def _with_buffers(options: Options, buffer_size: int, num_buffers: int) -> Options:
+    # one Options per geometry: replace() builds and checks a new one (8 us, every small save)
     return options.replace(buffer_size=buffer_size, num_buffers=num_buffers)
 
 
