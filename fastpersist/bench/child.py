@@ -158,11 +158,7 @@ def _save(spec: dict) -> dict:
             size = os.path.getsize(spec["path"])
             with FastFileWriter(target, exclusive=True, sole_writer=True, options=options,
                                 expected_size=size) as writer:
-                written = 0
-                for storage in storages:
-                    writer.write_address(storage.data_ptr(), storage.nbytes())
-                    written += storage.nbytes()
-                writer.write_zeros(size - written)  # as many bytes as the checkpoint file
+                common.write_storages(writer, storages, size)
         else:
             raise ValueError(f"unknown save mechanism {mechanism!r}")
         end = time.perf_counter()

@@ -266,6 +266,17 @@ def distinct_storages(obj) -> list:
     return list(seen.values())
 
 
+def write_storages(writer, storages, file_size: int) -> None:
+    """The raw engine's write for a ceiling: the storages' bytes, then zeros
+    up to file_size (as many bytes as the checkpoint file), no format."""
+    written = 0
+    for storage in storages:
+        writer.write_address(storage.data_ptr(), storage.nbytes())
+        written += storage.nbytes()
+    if written < file_size:
+        writer.write_zeros(file_size - written)
+
+
 def storage_bytes(obj) -> int:
     return sum(s.nbytes() for s in distinct_storages(obj))
 

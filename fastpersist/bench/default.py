@@ -200,12 +200,7 @@ class DefaultBench:
 
         start = time.perf_counter()
         with FastFileWriter(path, exclusive=True, sole_writer=True, options=self.opts(engine)) as writer:
-            written = 0
-            for storage in self.storages:
-                writer.write_address(storage.data_ptr(), storage.nbytes())
-                written += storage.nbytes()
-            if written < self.file_size:  # as many bytes as the checkpoint file
-                writer.write_zeros(self.file_size - written)
+            common.write_storages(writer, self.storages, self.file_size)
             wrote = time.perf_counter()
         end = time.perf_counter()
         return end - start, {"write": wrote - start, "drain + fsync": end - wrote}
