@@ -143,9 +143,22 @@ def gather_info(folder: str) -> dict:
         "filesystem": filesystem_of(folder),
         "cuda": cuda,
         "cufile": gds,
-        "transfer": {"option": defaults.get("transfer"),
-                     "gpu_tensors_take": "bounce", "why": cufile.why_not_gds(gds, cuda["available"])},
+        "transfer": _transfer_choice(defaults, gds, cuda["available"]),
     }
+
+
+def _transfer_choice(defaults: dict, gds: dict, cuda_available: bool) -> dict:
+    """What the transfer option makes of GPU tensors in a program run with
+    this environment (see cufile.transfer_for)."""
+    option = defaults.get("transfer", "auto")
+    if option == "bounce":
+        return {"option": option, "gpu_tensors_take": "bounce", "why": "transfer=bounce"}
+    why = cufile.why_not_gds(gds, cuda_available, allow_compat=option == "gds" and
+                             bool(defaults.get("allow_gds_compat")))
+    if why is None:
+        return {"option": option, "gpu_tensors_take": "gds", "why": cufile.gds_mode(gds)}
+    return {"option": option, "gpu_tensors_take": "refused (GPU saves and loads raise)" if option == "gds"
+            else "bounce", "why": why}
 
 
 def _yes_no(value: Optional[bool]) -> str:
@@ -232,8 +245,9 @@ def format_info(info: dict) -> list[str]:
         nvfs = gds.get("nvidia_fs_loaded")
         rows.append(("nvidia-fs", f"loaded, version {nvfs}" if nvfs else "not loaded"))
     transfer = info["transfer"]
-    rows.append(("GPU tensors move", f"through the engine's pinned buffers (transfer={transfer['option']}): "
-                                     f"{transfer['why']}"))
+    takes = {"gds": "with GPUDirect Storage (cuFile)", "bounce": "through the engine's pinned buffers"}
+    rows.append(("GPU tensors move", f"{takes.get(transfer['gpu_tensors_take'], transfer['gpu_tensors_take'])} "
+                                     f"(transfer={transfer['option']}): {transfer['why']}"))
     width = max(len(key) for key, _ in rows) + 1
     return [f"{key + ':':<{width}} {value}" for key, value in rows]
 

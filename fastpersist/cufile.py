@@ -14,13 +14,18 @@ device, and cuFile's driver is opened only once CUDA is usable: libcufile
 libcuda.so.1. ``fastpersist info`` asks a child process that runs this file alone, with
 a timeout, so that a hang cannot take it down.
 
-The GDS data path itself (each record's 4 KiB-aligned middle moved by
-cuFileRead/cuFileWrite, its edges through the host) is not in this
-version: ``transfer="gds"`` is refused with the reason, and ``auto`` takes
-the bounce buffers, saying why once in the log.
+The data path (each record's 4 KiB-aligned middle moved by cuFileRead and
+cuFileWrite, its edges through the engine) is fastpersist.gds; this module
+gives it the opened driver (``driver()``) and a registered file handle
+(``CuFile.register``). ``transfer="gds"`` takes it where the driver opens
+with nvidia-fs loaded, or in compatibility mode where the
+``allow_gds_compat`` option says so (reported as such); elsewhere it is
+refused with the reason, and ``auto`` takes the bounce buffers, saying why
+once in the log.
 """
 from __future__ import annotations
 
+import atexit
 import ctypes.util
 import glob
 import json
@@ -58,7 +63,18 @@ CUfileError_t cuFileDriverClose(void);
 CUfileError_t cuFileDriverClose_v2(void);
 CUfileError_t cuFileDriverGetProperties(CUfileDrvProps_t *props);
 CUfileError_t cuFileGetVersion(int *version);
+typedef void *CUfileHandle_t;
+typedef struct {
+    int type;
+    union { int fd; void *handle; } handle;
+    const void *fs_ops;
+} CUfileDescr_t;
+CUfileError_t cuFileHandleRegister(CUfileHandle_t *fh, CUfileDescr_t *descr);
+void cuFileHandleDeregister(CUfileHandle_t fh);
+ssize_t cuFileRead(CUfileHandle_t fh, void *bufPtr_base, size_t size, long file_offset, long bufPtr_offset);
+ssize_t cuFileWrite(CUfileHandle_t fh, const void *bufPtr_base, size_t size, long file_offset, long bufPtr_offset);
 """
+_HANDLE_TYPE_OPAQUE_FD = 1
 
 # cufile.h's CUfileOpError names for the errors a driver open or a first use reports
 _ERRORS = {
@@ -83,6 +99,11 @@ PROBE_TIMEOUT_S = 20.0
 
 class GdsUnavailable(RuntimeError):
     """transfer="gds" was asked for and cannot be given; the message says why."""
+
+
+class GdsError(OSError):
+    """cuFile refused a file or failed an I/O: the data path falls back to
+    the engine's buffers for it (fastpersist.gds)."""
 
 
 def error_text(code: int) -> str:
@@ -193,6 +214,42 @@ class CuFile:
                 close = self.lib.cuFileDriverClose
             close()
 
+    # -- the data path (driver open) -------------------------------------
+    def register(self, fd: int, path: str):
+        """cuFileHandleRegister of an open file descriptor; GdsError with
+        cuFile's reason where it refuses the file (its filesystem, or an fd
+        without O_DIRECT where nvidia-fs needs one)."""
+        handle = self.ffi.new("CUfileHandle_t *")
+        descr = self.ffi.new("CUfileDescr_t *")
+        descr.type = _HANDLE_TYPE_OPAQUE_FD
+        descr.handle.fd = fd
+        status = self.lib.cuFileHandleRegister(handle, descr)
+        if status.err != 0:
+            raise GdsError(f"cuFileHandleRegister refused {path}: {error_text(status.err)}")
+        return handle[0]
+
+    def deregister(self, handle) -> None:
+        self.lib.cuFileHandleDeregister(handle)
+
+    def transfer(self, handle, write: bool, address: int, nbytes: int, offset: int, path: str) -> None:
+        """Moves nbytes between device memory at address and the file at
+        offset (cuFileWrite or cuFileRead, again until all have moved);
+        GdsError where cuFile fails, EOFError where a read meets the end."""
+        call = self.lib.cuFileWrite if write else self.lib.cuFileRead
+        base = self.ffi.cast("void *", address)
+        done = 0
+        while done < nbytes:
+            n = call(handle, base, nbytes - done, offset + done, done)
+            if n < 0:
+                what = (os.strerror(self.ffi.errno) if n == -1 else error_text(-n))
+                raise GdsError(f"{'cuFileWrite' if write else 'cuFileRead'} of {nbytes - done} bytes at offset "
+                               f"{offset + done} of {path} failed: {what}")
+            if n == 0:
+                if write:
+                    raise GdsError(f"cuFileWrite wrote nothing at offset {offset + done} of {path}")
+                raise EOFError(path)
+            done += n
+
     def nvfs_version(self) -> Optional[str]:
         """nvidia-fs's version as the open driver reports it; None where it
         reports none (compatibility mode)."""
@@ -266,8 +323,9 @@ def _probe_here(library: str) -> dict:
     return facts
 
 
-def why_not_gds(facts: dict, cuda_available: bool) -> str:
-    """Why GDS is not used here, the first missing piece named."""
+def why_not_gds(facts: dict, cuda_available: bool, allow_compat: bool = False) -> Optional[str]:
+    """Why GDS is not used here, the first missing piece named; None where
+    it is (natively, or in compatibility mode where allow_compat)."""
     if not cuda_available:
         return "no usable CUDA device"
     if not facts.get("library"):
@@ -276,42 +334,72 @@ def why_not_gds(facts: dict, cuda_available: bool) -> str:
         return facts["error"]
     if facts.get("driver") != "opened":
         return facts.get("driver") or "cuFile's driver was not opened"
-    if not facts.get("nvidia_fs_loaded") or not facts.get("nvfs_version"):
+    if (not facts.get("nvidia_fs_loaded") or not facts.get("nvfs_version")) and not allow_compat:
         return ("nvidia-fs is not loaded: cuFile would run in compatibility mode (POSIX I/O through its own "
-                "bounce buffers), which fastpersist never takes silently")
-    return "the GDS data path is not in this version of fastpersist"
+                "bounce buffers), which fastpersist takes only where the allow_gds_compat option says so")
+    return None
+
+
+def gds_mode(facts: dict) -> str:
+    """How cuFile moves bytes once its driver is open."""
+    if facts.get("nvidia_fs_loaded") and facts.get("nvfs_version"):
+        return f"native GDS (nvidia-fs {facts['nvfs_version']})"
+    return "compatibility mode (no nvidia-fs: POSIX I/O through cuFile's own bounce buffers)"
 
 
 # ---------------------------------------------------------------------------
 # ... and in this process, the first time a CUDA storage is met
 
-_decided: dict = {}  # requested transfer -> (transfer, why)
+_decided: dict = {}  # (requested transfer, allow_compat) -> (transfer, why)
 _lock = threading.Lock()
+_driver: Optional[CuFile] = None  # opened by the first decision that takes GDS, closed at exit
+_driver_mode = ""
 
 
-def transfer_for(requested: str) -> str:
+def transfer_for(requested: str, allow_compat: bool = False) -> str:
     """The transfer a save or load of CUDA storages takes for the
-    ``transfer`` option: "bounce" (the engine's pinned buffers). "gds"
-    raises GdsUnavailable naming what is missing; "auto" says once in the
-    log why it took the buffers. Called only once a CUDA storage is met."""
+    ``transfer`` option: "bounce" (the engine's pinned buffers) or "gds"
+    (then driver() is open). "gds" that cannot be had raises GdsUnavailable
+    naming what is missing; "auto" says once in the log which it took and
+    why. Called only once a CUDA storage is met."""
     if requested == "bounce":
         return "bounce"
+    key = (requested, bool(allow_compat) and requested == "gds")  # auto never takes compatibility mode
     with _lock:
-        if requested not in _decided:
-            _decided[requested] = _decide()
+        if key not in _decided:
+            _decided[key] = _decide(key[1])
             if requested == "auto":
-                log.info("fastpersist: transfer=auto moves GPU tensors through the engine's pinned buffers, not "
-                         "GPUDirect Storage: %s", _decided[requested][1])
-    transfer, why = _decided[requested]
+                if _decided[key][0] == "gds":
+                    log.info("fastpersist: transfer=auto moves GPU tensors with GPUDirect Storage: %s",
+                             _decided[key][1])
+                else:
+                    log.info("fastpersist: transfer=auto moves GPU tensors through the engine's pinned buffers, "
+                             "not GPUDirect Storage: %s", _decided[key][1])
+            elif _decided[key][0] == "gds" and "compatibility" in _decided[key][1]:
+                log.warning("fastpersist: transfer='gds' runs in cuFile's %s (allow_gds_compat)", _decided[key][1])
+    transfer, why = _decided[key]
     if requested == "gds" and transfer != "gds":
         raise GdsUnavailable(f"fastpersist option transfer='gds': GPUDirect Storage cannot be used here: {why}; "
                              "transfer='auto' or 'bounce' moves GPU tensors through pinned host buffers")
     return transfer
 
 
-def _decide() -> tuple:
+def driver() -> CuFile:
+    """The process's open cuFile driver, once transfer_for took GDS."""
+    if _driver is None:
+        raise GdsUnavailable("cuFile's driver is not open (transfer_for did not take GDS)")
+    return _driver
+
+
+def driver_mode() -> str:
+    """How the open driver moves bytes (gds_mode), "" where none is open."""
+    return _driver_mode
+
+
+def _decide(allow_compat: bool) -> tuple:
     """(transfer, why) from this process: torch has CUDA up already, so the
     driver open cannot meet the missing-libcuda hang."""
+    global _driver, _driver_mode
     try:
         import torch
 
@@ -320,10 +408,28 @@ def _decide() -> tuple:
         cuda = False
     if not cuda:
         return ("bounce", "no usable CUDA device")
+    if _driver is not None:  # opened by an earlier decision
+        mode_ok = allow_compat or _driver_mode.startswith("native")
+        return ("gds", _driver_mode) if mode_ok else ("bounce", why_not_gds({"library": _driver.path,
+                                                                             "driver": "opened"}, True))
     library = find_library(cuda_major=_torch_cuda_major())
     if library is None:
         return ("bounce", "libcufile not found (pip install fastpersist[gds], or set FASTPERSIST_CUFILE_LIBRARY)")
-    return ("bounce", why_not_gds(_probe_here(library), True))
+    facts: dict = {"library": library, "nvidia_fs_loaded": nvidia_fs_version()}
+    try:
+        opened = CuFile(library)
+        opened.open_driver()
+    except GdsUnavailable as exc:
+        return ("bounce", str(exc))
+    facts["driver"] = "opened"
+    facts["nvfs_version"] = opened.nvfs_version()
+    why = why_not_gds(facts, True, allow_compat)
+    if why is not None:
+        opened.close_driver()
+        return ("bounce", why)
+    _driver, _driver_mode = opened, gds_mode(facts)
+    atexit.register(opened.close_driver)
+    return ("gds", _driver_mode)
 
 
 def _torch_cuda_major() -> Optional[int]:

@@ -29,7 +29,7 @@ import logging
 import os
 from typing import Callable, Optional
 
-from . import _engine, cufile
+from . import _engine, cufile, gds
 
 log = logging.getLogger("fastpersist")
 
@@ -45,6 +45,19 @@ class Piece:
         self.offset, self.nbytes, self.target = offset, nbytes, target
         self.address = target.data_ptr() if target.device.type == "cpu" else None
 
+    def part(self, lo: int, hi: int) -> "Piece":
+        """The piece for bytes [lo, hi) of this one, its target a uint8 view."""
+        return Piece(self.offset + lo, hi - lo, self.byte_range(lo, hi))
+
+    def byte_range(self, lo: int, hi: int):
+        """Bytes [lo, hi) of the target, as a 1-D uint8 tensor over them."""
+        import torch
+
+        target = self.target
+        if target.dtype != torch.uint8 or target.dim() != 1:
+            target = target.reshape(-1).view(torch.uint8)  # a CPU target is contiguous: a view
+        return target[lo:hi]
+
 
 def byte_view(storage):
     """A storage as a 1-D uint8 tensor over all its bytes, on its device."""
@@ -54,17 +67,129 @@ def byte_view(storage):
 
 
 def read_into(engine: _engine.Engine, direct_fd: int, fd: int, path: str, pieces: list,
-              checksums: bool = False, transfer: str = "auto") -> dict:
-    """Reads every piece's bytes in one pass over the span that covers them
-    (pieces may share bytes: tied tensors). Returns {(offset, nbytes): crc}
-    with checksums, else {}; raises EOFError where the file ends early.
-    transfer: the option of that name (see cufile.transfer_for)."""
+              checksums: bool = False, transfer: str = "auto", allow_compat: bool = False) -> dict:
+    """Reads every piece's bytes (pieces may share bytes: tied tensors):
+    through the engine's buffers in one pass over the span that covers
+    them, or, where GPUDirect Storage takes a piece's aligned middle (see
+    _direct_middles), the other bytes in runs between the middles and the
+    middles with cuFile. Returns {(offset, nbytes): crc} with checksums,
+    else {}; raises EOFError where the file ends early.
+    transfer, allow_compat: the options of those names (see cufile.transfer_for)."""
     pieces = [p for p in pieces if p.nbytes]
     if not pieces:
         return {}
-    start = min(p.offset for p in pieces)
-    end = max(p.offset + p.nbytes for p in pieces)
-    return PullRead(engine, direct_fd, fd, path, start, end).deliver(pieces, checksums, transfer)
+    middles = _direct_middles(pieces, transfer, allow_compat)
+    if not middles:
+        start = min(p.offset for p in pieces)
+        end = max(p.offset + p.nbytes for p in pieces)
+        return PullRead(engine, direct_fd, fd, path, start, end).deliver(pieces, checksums, transfer, allow_compat)
+    return _read_with_middles(engine, direct_fd, fd, path, pieces, middles, checksums, transfer, allow_compat)
+
+
+def takes_direct(pieces: list, transfer: str, allow_compat: bool) -> bool:
+    """Whether GPUDirect Storage would read part of these pieces."""
+    return bool(_direct_middles([p for p in pieces if p.nbytes], transfer, allow_compat))
+
+
+def _direct_middles(pieces: list, transfer: str, allow_compat: bool) -> dict:
+    """{index of a piece: (head, middle)} for the pieces whose aligned
+    middle GPUDirect Storage reads: on a device it takes, large enough, and
+    no other piece sharing the middle's bytes (those go through the buffers
+    whole). Raises GdsUnavailable for transfer="gds" where GDS cannot run."""
+    takes: dict = {}
+    found = {}
+    for i, p in enumerate(pieces):
+        device = p.target.device
+        if device.type == "cpu" and not gds.STAND_IN_FOR_CPU:
+            continue
+        if device not in takes:
+            takes[device] = gds.takes(device, transfer, allow_compat)
+        split = gds.aligned_middle(p.offset, p.nbytes) if takes[device] else None
+        if split is not None:
+            found[i] = split
+    if found:
+        spans = sorted((p.offset, p.offset + p.nbytes, i) for i, p in enumerate(pieces))
+        for i, (head, middle) in list(found.items()):
+            a = pieces[i].offset + head
+            b = a + middle
+            if any(start < b and a < end and j != i for start, end, j in spans):
+                del found[i]
+    return found
+
+
+def _read_with_middles(engine, direct_fd: int, fd: int, path: str, pieces: list, middles: dict,
+                       checksums: bool, transfer: str, allow_compat: bool) -> dict:
+    """read_into where GPUDirect Storage reads the middles: in file order,
+    each run of other bytes through the engine, then the next middle with
+    cuFile. A file or a middle cuFile refuses goes through the buffers."""
+    files: dict = {}  # device -> gds.DeviceFile or None
+    try:
+        for i in middles:
+            device = pieces[i].target.device
+            if device not in files:
+                files[device] = gds.open_file(path, direct_fd, fd, device)
+        middles = {i: split for i, split in middles.items() if files[pieces[i].target.device] is not None}
+        host = []  # what the engine reads: every piece but the middles
+        for i, p in enumerate(pieces):
+            if i not in middles:
+                host.append(p)
+                continue
+            head, middle = middles[i]
+            for lo, hi in ((0, head), (head + middle, p.nbytes)):
+                if hi > lo:
+                    host.append(p.part(lo, hi))
+        order = sorted(middles, key=lambda i: pieces[i].offset)
+        host.sort(key=lambda p: p.offset)
+        crcs: dict = {}
+        mid_crcs: dict = {}
+        k = 0
+        for i in order + [None]:
+            stop = pieces[i].offset + middles[i][0] if i is not None else None
+            run = []
+            while k < len(host) and (stop is None or host[k].offset < stop):
+                run.append(host[k])
+                k += 1
+            if run:
+                start, end = min(p.offset for p in run), max(p.offset + p.nbytes for p in run)
+                crcs.update(PullRead(engine, direct_fd, fd, path, start, end).deliver(run, checksums, transfer,
+                                                                                      allow_compat))
+            if i is None:
+                break
+            p = pieces[i]
+            head, middle = middles[i]
+            part = p.byte_range(head, head + middle)
+            try:
+                files[p.target.device].read(part, p.offset + head)
+            except cufile.GdsError as exc:
+                gds.fall_back(path, str(exc).replace(path, "the file"))
+                crcs.update(PullRead(engine, direct_fd, fd, path, p.offset + head, p.offset + head + middle).deliver(
+                    [p.part(head, head + middle)], checksums, transfer, allow_compat))
+                if checksums:
+                    mid_crcs[i] = crcs[p.offset + head, middle]
+            else:
+                if checksums:
+                    from . import device_crc
+
+                    mid_crcs[i] = device_crc.crc32(part)
+    finally:
+        for device_file in files.values():
+            if device_file is not None:
+                device_file.close()
+    if not checksums:
+        return {}
+    out = {}
+    for i, p in enumerate(pieces):
+        if i not in middles:
+            out[p.offset, p.nbytes] = crcs[p.offset, p.nbytes]
+            continue
+        head, middle = middles[i]
+        crc = crcs.get((p.offset, head), 0) if head else 0
+        crc = _engine.crc32_combine(crc, mid_crcs[i], middle)
+        tail = p.nbytes - head - middle
+        if tail:
+            crc = _engine.crc32_combine(crc, crcs[p.offset + head + middle, tail], tail)
+        out[p.offset, p.nbytes] = crc
+    return out
 
 
 class PullRead:
@@ -85,7 +210,8 @@ class PullRead:
         """Whether every (offset, nbytes) span lies within the read."""
         return all(self.start <= offset and offset + nbytes <= self.end for offset, nbytes in spans)
 
-    def deliver(self, pieces: list, checksums: bool = False, transfer: str = "auto") -> dict:
+    def deliver(self, pieces: list, checksums: bool = False, transfer: str = "auto",
+                allow_compat: bool = False) -> dict:
         """Copies every piece's bytes to its target; returns {(offset,
         nbytes): crc} with checksums, else {}. Raises EOFError where the file
         ends before the span, ValueError for a piece outside it."""
@@ -104,7 +230,7 @@ class PullRead:
         reached = self.start
         try:
             if any(p.target.device.type == "cuda" for p in pieces):
-                cufile.transfer_for(transfer)  # transfer="gds" raises here, naming what is missing
+                cufile.transfer_for(transfer, allow_compat)  # transfer="gds" raises here, naming what is missing
                 register_buffers(engine)
             while True:
                 # give back the buffers whose copies are done; all held: wait for the oldest
@@ -247,20 +373,81 @@ class _Copies:
             side.synchronize()
 
 
+def write_storage(source, sink, crc: Optional[int], copiers: Optional[dict] = None,
+                  data_offset: Optional[int] = None) -> Optional[int]:
+    """Writes a storage's bytes (``source``, a 1-D uint8 tensor on any
+    device) to a FastFileWriter: its aligned middle with GPUDirect Storage
+    where the file has a DeviceFile for the device (data_offset given),
+    everything else through the engine's buffers (stream_bytes). Returns
+    the updated CRC-32 where crc is given."""
+    device_file_for = getattr(sink, "device_file", None)
+    if data_offset is not None and device_file_for is not None:
+        device_file = device_file_for(source.device)  # transfer="gds" raises here where GDS cannot run
+    else:
+        gds.takes(source.device, sink.options.transfer, sink.options.allow_gds_compat)  # raises as well
+        device_file = None
+    split = gds.aligned_middle(data_offset, source.numel()) if device_file is not None else None
+    if split is None:
+        return stream_bytes(source, sink, crc, copiers)
+    head, middle = split
+    crc = stream_bytes(source[:head], sink, crc, copiers)
+    part = source[head:head + middle]
+    try:
+        sink.write_outside(middle, lambda offset: device_file.write(part, offset))
+    except cufile.GdsError as exc:
+        gds.fall_back(sink.path, str(exc).replace(sink.path, "the file"))
+        crc = stream_bytes(part, sink, crc, copiers)  # the stream begins again where the middle would have
+    else:
+        if crc is not None:
+            from . import device_crc
+
+            crc = _engine.crc32_combine(crc, device_crc.crc32(part), middle)
+    return stream_bytes(source[head + middle:], sink, crc, copiers)
+
+
+def stream_bytes(source, sink, crc: Optional[int], copiers: Optional[dict] = None) -> Optional[int]:
+    """Copies a 1-D uint8 tensor on any device into the sink's engine
+    buffers, one reservation at a time (sink.reserve(max) returns a
+    writable buffer of at most max bytes; sink.commit(n, crc) appends them),
+    so no host copy of the whole tensor is made: host memory stays the
+    engine's buffers. Each copy into buffer k overlaps the engine's write of
+    buffer k - 1. copiers: {device: ToHost} kept across one file's storages
+    (one side stream per device, not one per storage)."""
+    import torch
+
+    nbytes = source.numel()
+    copiers = {} if copiers is None else copiers
+    copier = copiers.get(source.device)
+    if copier is None and nbytes:
+        copier = copiers[source.device] = ToHost(source.device, sink.io_engine)
+    done = 0
+    while done < nbytes:
+        buffer = sink.reserve(nbytes - done)
+        length = len(buffer)
+        target = torch.frombuffer(buffer, dtype=torch.uint8)
+        try:
+            copier.copy(target, source[done:done + length])
+        except BaseException:
+            sink.commit(0)  # gives the reservation up
+            raise
+        crc = sink.commit(length, crc)
+        done += length
+    return crc
+
+
 class ToHost:
     """Copies a storage on ``device`` into engine buffers, one buffer at a
-    time (torch_format.stream_storage): for CUDA, without blocking on a side
+    time (stream_bytes): for CUDA, without blocking on a side
     stream that first waits for the caller's current stream (kernels still
     queued when the save was called write what the file gets), into buffers
     registered with CUDA; copy() returns once the bytes are in the buffer,
     which the engine writes next while the following copy runs."""
 
-    def __init__(self, device, engine: Optional[_engine.Engine] = None, transfer: str = "auto"):
+    def __init__(self, device, engine: Optional[_engine.Engine] = None):
         self.side = None
         if device.type == "cuda":
             import torch
 
-            cufile.transfer_for(transfer)  # transfer="gds" raises here, naming what is missing
             if engine is not None:
                 register_buffers(engine)
             self.side = torch.cuda.Stream(device)

@@ -258,7 +258,8 @@ def _load_through_buffers(image: "_CheckpointImage", map_location, weights_only:
     try:
         with reading_engine(image.path, image.options, image.size) as (engine, direct_fd):
             crcs = device_io.read_into(engine, direct_fd, image.fd, image.path, pieces, checksums=verify,
-                                      transfer=image.options.transfer)
+                                      transfer=image.options.transfer,
+                                      allow_compat=image.options.allow_gds_compat)
     except EOFError:
         raise CheckpointError(f"{image.path}: the file ended before its {image.size} bytes were read "
                               "(did it shrink while being read?)") from None
@@ -925,9 +926,14 @@ class _Plan:
             if not ahead.pull.covers([(offset, nbytes) for offset, nbytes, _ in self.direct] + list(temporaries)):
                 ahead.close()  # a record reaching past the next one's header: read the usual way
                 early = False
+            elif device_io.takes_direct(self._pieces(temporaries), image.options.transfer,
+                                        image.options.allow_gds_compat):
+                ahead.close()  # GPUDirect Storage reads the large GPU tensors: the buffers need not read them too
+                early = False
         if early:  # the engine has been reading since the layout began
             try:
-                checksums = ahead.pull.deliver(self._pieces(temporaries), verify, image.options.transfer)
+                checksums = ahead.pull.deliver(self._pieces(temporaries), verify, image.options.transfer,
+                                               image.options.allow_gds_compat)
             except EOFError:
                 raise CheckpointError(f"{image.path}: the file ended early while reading tensors "
                                       "(did it shrink while being read?)") from None
@@ -978,7 +984,8 @@ class _Plan:
             if through_buffers:
                 with reading_engine(image.path, image.options, image.size) as (engine, direct_fd):
                     return device_io.read_into(engine, direct_fd, image.fd, image.path, extents, checksums,
-                                              transfer=image.options.transfer)
+                                              transfer=image.options.transfer,
+                                              allow_compat=image.options.allow_gds_compat)
             with prefaulting(extents):
                 return image.read_extents(extents, checksums)
         except EOFError:

@@ -41,10 +41,16 @@ class Options:
         it back to the system at once.
     transfer: how GPU tensors move between the file and device memory:
         ``bounce`` through the engine's pinned buffers; ``gds`` GPUDirect
-        Storage through cuFile (refused, with the reason, where it cannot
-        run natively: fastpersist never takes cuFile's compatibility mode
-        silently; the GDS data path is not in this version); ``auto`` GDS
-        where it runs natively, else the buffers, saying why once in the log.
+        Storage through cuFile: each record's 4 KiB-aligned middle moves
+        between the file and device memory directly, its edges through the
+        buffers (refused, with the reason, where it cannot run natively,
+        unless allow_gds_compat); ``auto`` GDS where it runs natively, else
+        the buffers, saying why once in the log. A file cuFile refuses goes
+        through the buffers (logged once per reason, counted in
+        ``fastpersist.gds.stats()``).
+    allow_gds_compat: ``transfer="gds"`` may run where cuFile can only run in
+        its compatibility mode (no nvidia-fs: POSIX I/O through cuFile's own
+        bounce buffers), said in the log as such; ``auto`` never takes it.
     compare_replicas: a group save (``save(..., group=pg)``) checks that the
         ranks hold the same tensor values: each rank computes the CRC-32 of
         every tensor's bytes as it holds them, the ranks compare them, and a
@@ -67,6 +73,7 @@ class Options:
     load_memory_seconds: float = 2.0
     compare_replicas: bool = True
     transfer: str = "auto"
+    allow_gds_compat: bool = False
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:

@@ -333,36 +333,15 @@ class CheckpointPlan:
 STREAM_CPU_STORAGES = False  # tests: CPU storages take the device storages' path
 
 
-def stream_storage(storage, nbytes: int, sink, crc: Optional[int], copiers: Optional[dict] = None) -> Optional[int]:
-    """Copies a storage (on any device) into the sink's engine buffers, one
-    reservation at a time (sink.reserve(max) returns a writable buffer of
-    at most max bytes; sink.commit(n, crc) appends them), so no host copy of
-    the whole storage is made: host memory stays the engine's buffers. Each
-    copy into buffer k overlaps the engine's write of buffer k - 1.
-    copiers: {device: device_io.ToHost} kept across one file's storages (one
-    side stream per device, not one per storage); the sink is a FastFileWriter."""
-    import torch
-
+def stream_storage(storage, nbytes: int, sink, crc: Optional[int], copiers: Optional[dict] = None,
+                   data_offset: Optional[int] = None) -> Optional[int]:
+    """Writes a storage (on any device) through the sink's engine buffers
+    without a host copy of it (device_io.write_storage); data_offset, the
+    file offset of its first byte, lets GPUDirect Storage write its
+    aligned middle where the transfer option takes it."""
     from . import device_io
 
-    source = device_io.byte_view(storage)
-    copiers = {} if copiers is None else copiers
-    copier = copiers.get(source.device)
-    if copier is None:
-        copier = copiers[source.device] = device_io.ToHost(source.device, sink.io_engine, sink.options.transfer)
-    done = 0
-    while done < nbytes:
-        buffer = sink.reserve(nbytes - done)
-        length = len(buffer)
-        target = torch.frombuffer(buffer, dtype=torch.uint8)
-        try:
-            copier.copy(target, source[done:done + length])
-        except BaseException:
-            sink.commit(0)  # gives the reservation up
-            raise
-        crc = sink.commit(length, crc)
-        done += length
-    return crc
+    return device_io.write_storage(device_io.byte_view(storage)[:nbytes], sink, crc, copiers, data_offset)
 
 
 def write_plan(plan: CheckpointPlan, sink) -> int:
@@ -384,7 +363,7 @@ def write_plan(plan: CheckpointPlan, sink) -> int:
                 if storage.device.type == "cpu" and not STREAM_CPU_STORAGES:
                     crc = sink.write_address(storage.data_ptr(), src.nbytes, crc)
                 elif hasattr(sink, "reserve"):
-                    crc = stream_storage(storage, src.nbytes, sink, crc, copiers)
+                    crc = stream_storage(storage, src.nbytes, sink, crc, copiers, r.layout.data_offset)
                 else:
                     crc = sink.write_address(storage.cpu().data_ptr(), src.nbytes, crc)
                 plan.set_crc(r, crc or 0)

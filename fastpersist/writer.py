@@ -7,7 +7,7 @@ import logging
 import os
 from typing import Optional
 
-from . import _engine
+from . import _engine, gds
 from .fileio import open_direct
 from .options import Options, current_options
 
@@ -53,6 +53,8 @@ class FastFileWriter(io.RawIOBase):
         flags |= os.O_EXCL if exclusive else 0
         flags |= os.O_TRUNC if truncate else 0
         self._engine: Optional[_engine.Engine] = None
+        self._device_files: dict = {}  # device -> gds.DeviceFile, or None where the buffers move its storages
+        self._expected_size, self._sole_writer = expected_size, sole_writer
         self._buffered_fd = os.open(self.path, flags, 0o666)
         self._direct_fd = -1
         try:
@@ -125,6 +127,40 @@ class FastFileWriter(io.RawIOBase):
         self._check_open()
         return self._engine.commit(nbytes, crc)
 
+    def device_file(self, device) -> Optional["gds.DeviceFile"]:
+        """This file's GPUDirect Storage handle for storages on device, or
+        None where they go through the engine's buffers (the transfer
+        option; a file cuFile refuses). Raises GdsUnavailable for
+        transfer="gds" where GDS cannot run."""
+        self._check_open()
+        if device not in self._device_files:
+            taken = gds.takes(device, self.options.transfer, self.options.allow_gds_compat)
+            self._device_files[device] = (gds.open_file(self.path, self._direct_fd, self._buffered_fd, device)
+                                          if taken else None)
+        return self._device_files[device]
+
+    def write_outside(self, nbytes: int, write) -> None:
+        """The file's next nbytes are written by write(offset) instead of the
+        engine (GPUDirect Storage writes a record's middle): the stream ends
+        at its offset, which must be 4096-aligned, and begins again after the
+        nbytes. Where write raises, the stream begins again at the offset,
+        so the caller may send the bytes through the buffers after all."""
+        self._check_open()
+        offset = self._engine.tell()
+        if offset % 4096:
+            raise ValueError(f"write_outside at offset {offset} of {self.path}: not 4096-aligned")
+        self._engine.end()
+        try:
+            write(offset)
+        except BaseException:
+            self._begin_at(offset)
+            raise
+        self._begin_at(offset + nbytes)
+
+    def _begin_at(self, offset: int) -> None:
+        step = self._preallocation_step(self._expected_size - offset) if self._sole_writer else 0
+        self._engine.begin(self._direct_fd, self._buffered_fd, offset, self.path, step)
+
     @property
     def io_engine(self):
         """The engine writing the file (device_io registers its buffers with CUDA)."""
@@ -152,6 +188,10 @@ class FastFileWriter(io.RawIOBase):
             super().close()
 
     def _release(self) -> None:
+        for device_file in self._device_files.values():
+            if device_file is not None:
+                device_file.close()
+        self._device_files.clear()
         if self._engine is not None:
             _engine.release(self._engine)
             self._engine = None

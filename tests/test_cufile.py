@@ -81,15 +81,27 @@ def test_what_is_missing_for_gds_is_named_first():
     assert cufile.why_not_gds({"library": "x", "driver": "opened"}, cuda_available=False) == "no usable CUDA device"
     assert "libcufile not found" in cufile.why_not_gds({"library": None}, cuda_available=True)
     compat = cufile.why_not_gds({"library": "x", "driver": "opened", "nvidia_fs_loaded": None}, True)
-    assert "compatibility mode" in compat and "never takes silently" in compat
+    assert "compatibility mode" in compat and "only where the allow_gds_compat option says so" in compat
+    # asked for, compatibility mode is taken, and said to be what it is
+    compat_facts = {"library": "x", "driver": "opened", "nvidia_fs_loaded": None}
+    assert cufile.why_not_gds(compat_facts, True, allow_compat=True) is None
+    assert cufile.gds_mode(compat_facts).startswith("compatibility mode (no nvidia-fs")
     native = {"library": "x", "driver": "opened", "nvidia_fs_loaded": "2.26", "nvfs_version": "2.26"}
-    assert cufile.why_not_gds(native, True) == "the GDS data path is not in this version of fastpersist"
+    assert cufile.why_not_gds(native, True) is None
+    assert cufile.gds_mode(native) == "native GDS (nvidia-fs 2.26)"
+    # allow_compat never stands in for a missing driver
+    assert cufile.why_not_gds({"library": "x", "driver": "cuFileDriverOpen failed: X"}, True, True) == \
+        "cuFileDriverOpen failed: X"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is usable here: tests/test_gpu.py covers it")
 def test_gds_asked_for_without_cuda_is_refused_and_auto_says_why_once(fresh_decisions, caplog):
     with pytest.raises(cufile.GdsUnavailable, match="transfer='gds'.*no usable CUDA device"):
         cufile.transfer_for("gds")
+    with pytest.raises(cufile.GdsUnavailable, match="no usable CUDA device"):
+        cufile.transfer_for("gds", allow_compat=True)
+    with pytest.raises(cufile.GdsUnavailable, match="cuFile's driver is not open"):
+        cufile.driver()
     caplog.set_level(logging.INFO, logger="fastpersist")
     assert cufile.transfer_for("auto") == "bounce"
     assert cufile.transfer_for("auto") == "bounce"

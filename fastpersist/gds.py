@@ -1,0 +1,203 @@
+"""The GPUDirect Storage data path: each large record's 4 KiB-aligned middle
+moves between the file and device memory with cuFile, its unaligned edges
+(and every other byte of the file) through the engine's buffers.
+
+A save ends the engine's write stream where a middle begins (an aligned
+offset, so nothing is left half-written), has cuFile write the middle, and
+begins the stream again after it; a load reads the file's other bytes in
+runs through the engine and the middles with cuFile. Either way the file is
+byte for byte what the bounce path writes, and the bytes are the device's
+as of the call: the device's current stream is synchronized before cuFile
+touches them (cuFile is not stream-ordered).
+
+CRC-32s of the middles are computed on their device (fastpersist.device_crc)
+and combined with the edges' (computed by the engine): ``gds`` keeps
+``compute_crc32`` and load-time verification as they are on the bounce path.
+
+Per-file fallback: cuFile can open its driver and still refuse a file
+(its filesystem, a handle it cannot register, an I/O that fails). That
+file's records then go through the engine's buffers, whole (the part not
+yet written or read), the reason is logged once and counted in ``stats()``,
+which the GPU benchmark prints.
+
+Tests drive this same code with CPU storages and a stand-in for cuFile that
+moves the middles with pwrite and pread (``STAND_IN_FOR_CPU``): they check
+the splitting, the stream's end and restart, the CRCs and the fallbacks on
+this machine. They stand in for the cuFile calls, never for a GPU test.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+from typing import Optional
+
+from . import cufile
+
+log = logging.getLogger("fastpersist")
+
+ALIGNMENT = 4096
+MIN_BYTES = 1 << 20  # a smaller middle goes through the buffers: a cuFile call and a sync cost more than it saves
+
+STAND_IN_FOR_CPU = False  # tests: CPU storages take this path, their middles moved by _HostStandIn
+
+_stats_lock = threading.Lock()
+_stats = {"files": 0, "bytes_written": 0, "bytes_read": 0, "fallbacks": collections.Counter()}
+_reported: set = set()
+
+
+def stats() -> dict:
+    """What the data path did in this process: files it moved middles of,
+    bytes written and read by cuFile, and files or records that fell back to
+    the engine's buffers, by reason."""
+    with _stats_lock:
+        out = dict(_stats)
+        out["fallbacks"] = dict(_stats["fallbacks"])
+        out["mode"] = cufile.driver_mode() or ("stand-in (tests)" if STAND_IN_FOR_CPU else "")
+        return out
+
+
+def reset_stats() -> None:
+    with _stats_lock:
+        _stats.update(files=0, bytes_written=0, bytes_read=0, fallbacks=collections.Counter())
+
+
+def _count(key: str, n: int = 1) -> None:
+    with _stats_lock:
+        _stats[key] += n
+
+
+def fall_back(path: str, reason: str) -> None:
+    """Counts a fallback to the buffers and logs its reason once."""
+    with _stats_lock:
+        _stats["fallbacks"][reason] += 1
+        first = reason not in _reported
+        _reported.add(reason)
+    if first:
+        log.warning("fastpersist: GPUDirect Storage refused %s, which goes through the engine's buffers: %s "
+                    "(said once per reason; fastpersist.gds.stats() counts them)", path, reason)
+
+
+def aligned_middle(offset: int, nbytes: int, min_bytes: Optional[int] = None) -> Optional[tuple]:
+    """(head, middle): the bytes before the first aligned file offset of
+    [offset, offset + nbytes) and the length of the aligned run after
+    them, where that run is at least min_bytes (MIN_BYTES); else None."""
+    start = -(-offset // ALIGNMENT) * ALIGNMENT
+    stop = (offset + nbytes) // ALIGNMENT * ALIGNMENT
+    if stop - start < (MIN_BYTES if min_bytes is None else min_bytes) or stop <= start:
+        return None
+    return start - offset, stop - start
+
+
+def takes(device, transfer: str, allow_compat: bool) -> bool:
+    """Whether storages on device move with this data path (raises
+    GdsUnavailable for transfer="gds" where it cannot run)."""
+    if device.type == "cuda":
+        return cufile.transfer_for(transfer, allow_compat) == "gds"
+    return STAND_IN_FOR_CPU and device.type == "cpu"
+
+
+class DeviceFile:
+    """One file's cuFile handle (or, for CPU storages in tests, the stand-in).
+    write()/read() move a 1-D uint8 tensor's bytes at a file offset and
+    raise GdsError where cuFile fails; close() deregisters."""
+
+    def __init__(self, path: str, fd: int, device):
+        self.path, self.device = path, device
+        self._handle = None
+        self._driver = None
+        self._fd = fd
+        if device.type == "cuda":
+            self._driver = cufile.driver()
+            with _on(device):
+                self._handle = self._driver.register(fd, path)
+        else:
+            _HostStandIn.register(path)
+        _count("files")
+
+    def write(self, source, offset: int) -> None:
+        self._move(True, source, offset)
+        _count("bytes_written", source.numel())
+
+    def read(self, target, offset: int) -> None:
+        self._move(False, target, offset)
+        _count("bytes_read", target.numel())
+
+    def _move(self, write: bool, tensor, offset: int) -> None:
+        if self._handle is None:
+            _HostStandIn.move(self._fd, write, tensor, offset, self.path)
+            return
+        import torch
+
+        with _on(self.device):
+            # queued kernels that write (save) or last used (a fresh load target's memory) these bytes go first
+            torch.cuda.current_stream(self.device).synchronize()
+            self._driver.transfer(self._handle, write, tensor.data_ptr(), tensor.numel(), offset, self.path)
+
+    def close(self) -> None:
+        if self._handle is not None:
+            handle, self._handle = self._handle, None
+            self._driver.deregister(handle)
+
+
+def open_file(path: str, direct_fd: int, fd: int, device) -> Optional[DeviceFile]:
+    """A DeviceFile for path, or None (counted and logged) where cuFile
+    refuses it. Native GDS needs the O_DIRECT descriptor."""
+    use = fd  # the tests' stand-in: pwrite and pread
+    if device.type == "cuda":
+        use = direct_fd if direct_fd >= 0 else fd
+        if direct_fd < 0 and cufile.driver_mode().startswith("native"):
+            fall_back(path, "the file could not be opened with O_DIRECT, which nvidia-fs needs")
+            return None
+    try:
+        return DeviceFile(path, use, device)
+    except cufile.GdsError as exc:
+        fall_back(path, str(exc).replace(path, "the file"))
+        return None
+
+
+class _on:
+    """CUDA's current device set to device for a cuFile call."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def __enter__(self):
+        import torch
+
+        self._guard = torch.cuda.device(self.device)
+        self._guard.__enter__()
+
+    def __exit__(self, *exc):
+        return self._guard.__exit__(*exc)
+
+
+class _HostStandIn:
+    """The tests' stand-in for cuFile, for CPU storages: pwrite and pread on
+    the buffered descriptor. FAIL_WRITE_AT / FAIL_READ_AT make the call
+    that moves bytes at that file offset raise GdsError (a failing cuFile)."""
+
+    FAIL_WRITE_AT: Optional[int] = None
+    FAIL_READ_AT: Optional[int] = None
+    REFUSE_FILES = False  # registration refused, as cuFile refuses a filesystem
+
+    @classmethod
+    def register(cls, path: str) -> None:
+        if cls.REFUSE_FILES:
+            raise cufile.GdsError(f"cuFileHandleRegister refused {path}: CU_FILE_IO_NOT_SUPPORTED (test stand-in)")
+
+    @classmethod
+    def move(cls, fd: int, write: bool, tensor, offset: int, path: str) -> None:
+        from . import _engine
+
+        if (cls.FAIL_WRITE_AT if write else cls.FAIL_READ_AT) == offset:
+            raise cufile.GdsError(f"{'cuFileWrite' if write else 'cuFileRead'} failed (test stand-in)")
+        view = _engine.memory_at(tensor.data_ptr(), tensor.numel())
+        done = 0
+        while done < len(view):
+            n = (os.pwrite(fd, view[done:], offset + done) if write
+                 else os.preadv(fd, [memoryview(view)[done:]], offset + done))
+            if n == 0:
+                raise EOFError(path)
+            done += n
