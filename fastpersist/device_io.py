@@ -490,6 +490,8 @@ def register_host_memory(address: int, nbytes: int, what: str) -> Optional[Calla
     import torch
 
     cudart = torch.cuda.cudart()  # held by the returned call: it may run while Python shuts down
+    # cudaHostRegisterDefault: with unified addressing (every 64-bit Linux process) the memory is
+    # portable and mapped, so one registration serves copies to and from every GPU of the process
     rc = int(cudart.cudaHostRegister(address, nbytes, 0))
     if rc != 0:
         _clear_cuda_error()

@@ -68,7 +68,10 @@ def test_gpu_bench_runs_its_mechanisms_and_says_when_no_gpu_was_measured(tmp_pat
     out = run_bench("gpu", "--device", "cpu", "--size", "0.005", "--repeats", "1", "--cache-drop", "file",
                     "--folder", str(tmp_path), "--json", str(result))
     assert "NOT a GPU measurement" in out.stdout
-    rows = json.loads(result.read_text())["results"]
+    assert "GPUDirect Storage rows: not measured (no CUDA device)" in out.stdout
+    report = json.loads(result.read_text())
+    assert report["gds"] == {"mode": None, "why_not": "no CUDA device", "stats": None}
+    rows = report["results"]
     assert {r["mechanism"] for r in rows} >= {"fastpersist.save", "fastpersist.load(map_location=device)",
                                               "fastpersist.save_async", "one device-to-host copy_ of the state",
                                               "raw engine read to host memory (ceiling)"}

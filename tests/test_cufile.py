@@ -161,3 +161,22 @@ def test_info_reports_cufile(tmp_path):
     assert "GPU tensors move:" in text
     if NO_DRIVER:
         assert "not opened: no NVIDIA driver (libcuda.so.1 not found)" in text
+
+
+def test_info_says_what_each_transfer_option_makes_of_gpu_tensors():
+    from fastpersist.cli import _transfer_choice
+
+    compat = {"library": "x", "driver": "opened", "nvidia_fs_loaded": None}
+    native = {"library": "x", "driver": "opened", "nvidia_fs_loaded": "2.26", "nvfs_version": "2.26"}
+    assert _transfer_choice({"transfer": "bounce"}, native, True)["gpu_tensors_take"] == "bounce"
+    assert _transfer_choice({"transfer": "auto"}, native, True) == {
+        "option": "auto", "gpu_tensors_take": "gds", "why": "native GDS (nvidia-fs 2.26)"}
+    # auto never takes compatibility mode, even where allowed for gds
+    auto = _transfer_choice({"transfer": "auto", "allow_gds_compat": True}, compat, True)
+    assert auto["gpu_tensors_take"] == "bounce" and "compatibility mode" in auto["why"]
+    refused = _transfer_choice({"transfer": "gds"}, compat, True)
+    assert refused["gpu_tensors_take"].startswith("refused") and "allow_gds_compat" in refused["why"]
+    allowed = _transfer_choice({"transfer": "gds", "allow_gds_compat": True}, compat, True)
+    assert allowed["gpu_tensors_take"] == "gds" and allowed["why"].startswith("compatibility mode")
+    assert _transfer_choice({"transfer": "gds", "allow_gds_compat": True}, native, False)["why"] == \
+        "no usable CUDA device"

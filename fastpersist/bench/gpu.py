@@ -14,7 +14,11 @@ Measured, each in every round, in an order shuffled from round to round:
 - load to the GPU: ``torch.load(map_location=device)``, ``fastpersist.load``
   (storages allocated on the device, filled from the engine's buffers), and
   ``fastpersist.load_into`` the model that exists on the device, beside the
-  ceiling, the raw engine reading the file into host memory.
+  ceiling, the raw engine reading the file into host memory;
+- with GPUDirect Storage where cuFile's driver opens here (native, or its
+  compatibility mode, which the row names): ``fastpersist.save``,
+  ``fastpersist.load`` and ``load_into`` with ``transfer="gds"``. Where it
+  cannot open, the report says why instead of the rows.
 
 Every load waits for the device (torch.cuda.synchronize) and starts with the
 file dropped from the page cache; every save includes its fsync. Peak host
@@ -78,6 +82,20 @@ class GpuBench:
         self.dropper = common.CacheDropper(args.cache_drop)
         self.checkpoint = self.workspace.file("checkpoint.pt")
         self.peak_measurable = _reset_peak()
+        self.gds_mode, self.gds_why = self._gds_here()
+
+    def _gds_here(self) -> tuple:
+        """(cuFile's mode, None) where transfer="gds" runs here, else (None, why not)."""
+        if self.device.type != "cuda":
+            return None, "no CUDA device"
+        from fastpersist import cufile, gds
+
+        try:
+            cufile.transfer_for("gds", allow_compat=True)
+        except cufile.GdsUnavailable as exc:
+            return None, str(exc)
+        gds.reset_stats()
+        return cufile.driver_mode(), None
 
     def close(self) -> None:
         self.workspace.close()
@@ -117,11 +135,11 @@ class GpuBench:
         common.fsync_path(path)
         return time.perf_counter() - start
 
-    def fastpersist_save(self, path: str) -> float:
+    def fastpersist_save(self, path: str, **extra) -> float:
         import fastpersist
 
         start = time.perf_counter()
-        fastpersist.save(self.state, path, **dataclasses.asdict(self.options))
+        fastpersist.save(self.state, path, **{**dataclasses.asdict(self.options), **extra})
         return time.perf_counter() - start
 
     def raw_write(self, path: str) -> float:
@@ -158,24 +176,24 @@ class GpuBench:
 
         return self._timed_load(original_load())
 
-    def fastpersist_load(self) -> float:
+    def fastpersist_load(self, **extra) -> float:
         import fastpersist
 
-        return self._timed_load(fastpersist.load)
+        return self._timed_load(fastpersist.load, **extra)
 
-    def _timed_load(self, load: Callable) -> float:
+    def _timed_load(self, load: Callable, **extra) -> float:
         start = time.perf_counter()
-        loaded = load(self.checkpoint, map_location=self.device, weights_only=True)
+        loaded = load(self.checkpoint, map_location=self.device, weights_only=True, **extra)
         self.sync()
         seconds = time.perf_counter() - start
         del loaded  # freed outside the timing
         return seconds
 
-    def load_into(self) -> float:
+    def load_into(self, **extra) -> float:
         import fastpersist
 
         start = time.perf_counter()
-        fastpersist.load_into(self.state, self.checkpoint, **dataclasses.asdict(self.options))
+        fastpersist.load_into(self.state, self.checkpoint, **{**dataclasses.asdict(self.options), **extra})
         self.sync()
         return time.perf_counter() - start
 
@@ -201,6 +219,17 @@ class GpuBench:
             return measure
 
         save, load = "save from the device", "load to the device"
+        gds_rows = []
+        if self.gds_mode:
+            gds = dict(transfer="gds", allow_gds_compat=True)
+            mode = f"transfer=gds, {self.gds_mode.split(' (')[0]}"
+            gds_rows = [
+                (Series(save, f"fastpersist.save ({mode})", role="gds"),
+                 to_new_file(lambda path: self.fastpersist_save(path, **gds)), False),
+                (Series(load, f"fastpersist.load ({mode})", role="gds"),
+                 lambda: self.fastpersist_load(**gds), True),
+                (Series(load, f"fastpersist.load_into ({mode})", role="gds"), lambda: self.load_into(**gds), True),
+            ]
         return [
             (Series(save, "torch.save + fsync", role="vanilla"), to_new_file(self.vanilla_save), False),
             (Series(save, "fastpersist.save", role="fastpersist"), to_new_file(self.fastpersist_save), False),
@@ -214,7 +243,7 @@ class GpuBench:
             (Series(load, "fastpersist.load(map_location=device)", role="fastpersist"), self.fastpersist_load, True),
             (Series(load, "fastpersist.load_into (model on the device)", role="fastpersist"), self.load_into, True),
             (Series(load, "raw engine read to host memory (ceiling)", role="ceiling"), self.raw_read, True),
-        ]
+        ] + gds_rows
 
     def run(self) -> list:
         self.prepare()
@@ -288,10 +317,21 @@ def run(args) -> int:
     for line in common.table(["operation", "mechanism", "median s", "GB/s", "x ref", "x ceiling", "peak host MiB"],
                              lines, right=(2, 3, 4, 5)):
         echo(line)
+    from fastpersist import gds
+
+    gds_stats = gds.stats() if bench.gds_mode else None
+    if bench.gds_mode:
+        echo(f"GPUDirect Storage: cuFile in {bench.gds_mode}; moved {gds_stats['bytes_written'] / GB:.2f} GB "
+             f"written, {gds_stats['bytes_read'] / GB:.2f} GB read; files that fell back to the buffers: "
+             f"{gds_stats['fallbacks'] or 'none'}")
+    else:
+        echo(f"GPUDirect Storage rows: not measured ({bench.gds_why})")
     echo(f"wall time {time.perf_counter() - started:.0f} s")
     if args.json:
         common.write_json(args.json, {"benchmark": "fastpersist bench gpu", "machine": machine,
                                       "device": device_text, "buffers_bytes": buffers,
+                                      "gds": {"mode": bench.gds_mode, "why_not": bench.gds_why,
+                                              "stats": gds_stats},
                                       "settings": {"size_gb": args.size, "repeats": args.repeats,
                                                    "dtype": args.dtype, "device": str(bench.device)},
                                       "results": rows})
