@@ -373,20 +373,21 @@ class _Copies:
             side.synchronize()
 
 
-def write_storage(source, sink, crc: Optional[int], copiers: Optional[dict] = None,
-                  data_offset: Optional[int] = None) -> Optional[int]:
+def write_storage(source, sink, crc: Optional[int], copiers: Optional[dict] = None) -> Optional[int]:
     """Writes a storage's bytes (``source``, a 1-D uint8 tensor on any
     device) to a FastFileWriter: its aligned middle with GPUDirect Storage
-    where the file has a DeviceFile for the device (data_offset given),
-    everything else through the engine's buffers (stream_bytes). Returns
-    the updated CRC-32 where crc is given."""
+    where the file has a DeviceFile for the device, everything else through
+    the engine's buffers (stream_bytes). Alignment is the file's: the
+    writer's offset, not the record's place in its plan (a DCP file holds
+    many plans one after another). Returns the updated CRC-32 where crc is
+    given."""
     device_file_for = getattr(sink, "device_file", None)
-    if data_offset is not None and device_file_for is not None:
+    if device_file_for is not None:
         device_file = device_file_for(source.device)  # transfer="gds" raises here where GDS cannot run
     else:
         gds.takes(source.device, sink.options.transfer, sink.options.allow_gds_compat)  # raises as well
         device_file = None
-    split = gds.aligned_middle(data_offset, source.numel()) if device_file is not None else None
+    split = gds.aligned_middle(sink.tell(), source.numel()) if device_file is not None else None
     if split is None:
         return stream_bytes(source, sink, crc, copiers)
     head, middle = split

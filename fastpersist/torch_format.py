@@ -333,15 +333,13 @@ class CheckpointPlan:
 STREAM_CPU_STORAGES = False  # tests: CPU storages take the device storages' path
 
 
-def stream_storage(storage, nbytes: int, sink, crc: Optional[int], copiers: Optional[dict] = None,
-                   data_offset: Optional[int] = None) -> Optional[int]:
-    """Writes a storage (on any device) through the sink's engine buffers
-    without a host copy of it (device_io.write_storage); data_offset, the
-    file offset of its first byte, lets GPUDirect Storage write its
-    aligned middle where the transfer option takes it."""
+def stream_storage(storage, nbytes: int, sink, crc: Optional[int], copiers: Optional[dict] = None) -> Optional[int]:
+    """Writes a storage (on any device) to the sink without a host copy of
+    it: through the engine's buffers, its aligned middle with GPUDirect
+    Storage where the transfer option takes it (device_io.write_storage)."""
     from . import device_io
 
-    return device_io.write_storage(device_io.byte_view(storage)[:nbytes], sink, crc, copiers, data_offset)
+    return device_io.write_storage(device_io.byte_view(storage)[:nbytes], sink, crc, copiers)
 
 
 def write_plan(plan: CheckpointPlan, sink) -> int:
@@ -363,7 +361,7 @@ def write_plan(plan: CheckpointPlan, sink) -> int:
                 if storage.device.type == "cpu" and not STREAM_CPU_STORAGES:
                     crc = sink.write_address(storage.data_ptr(), src.nbytes, crc)
                 elif hasattr(sink, "reserve"):
-                    crc = stream_storage(storage, src.nbytes, sink, crc, copiers, r.layout.data_offset)
+                    crc = stream_storage(storage, src.nbytes, sink, crc, copiers)
                 else:
                     crc = sink.write_address(storage.cpu().data_ptr(), src.nbytes, crc)
                 plan.set_crc(r, crc or 0)

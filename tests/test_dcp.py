@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from fastpersist import _torch_api, async_save, dcp as fp_dcp, release, torch_format
+from fastpersist import _torch_api, async_save, dcp as fp_dcp, gds, release, torch_format
 from fastpersist.dcp import FastPersistReader, FastPersistWriter
 
 
@@ -96,11 +96,19 @@ def _records(path, info):
             for name, r in index.records.items() if not name.endswith("serialization_id")}
 
 
-@pytest.mark.parametrize("streamed", [False, True], ids=["copied", "captured and streamed"])
+@pytest.mark.parametrize("streamed", [False, True, "gds"],
+                         ids=["copied", "captured and streamed", "middles by the GDS stand-in"])
 def test_the_data_file_holds_the_stock_writers_records_at_the_stock_writers_offsets(tmp_path, streamed, monkeypatch):
     """streamed: storages captured while planning and written through the
-    engine's reservations, the way a GPU tensor's are (forced for CPU ones)."""
+    engine's reservations, the way a GPU tensor's are (forced for CPU ones);
+    gds: their aligned middles written outside the engine, as GPUDirect
+    Storage writes them (a DCP file holds many records one after another:
+    the middles are aligned to the file, not to each record's plan)."""
     streams = []
+    if streamed == "gds":
+        monkeypatch.setattr(gds, "STAND_IN_FOR_CPU", True)
+        monkeypatch.setattr(gds, "MIN_BYTES", 8192)
+        gds.reset_stats()
     if streamed:
         monkeypatch.setattr(_torch_api, "CAPTURE", "always")
         monkeypatch.setattr(torch_format, "STREAM_CPU_STORAGES", True)
@@ -108,7 +116,10 @@ def test_the_data_file_holds_the_stock_writers_records_at_the_stock_writers_offs
         monkeypatch.setattr(torch_format, "stream_storage", lambda *a, **k: (streams.append(a[1]), real(*a, **k))[1])
     sd = state()
     save(sd, FastPersistWriter(tmp_path / "fp"))
-    assert bool(streams) == streamed
+    assert bool(streams) == bool(streamed)
+    if streamed == "gds":
+        assert gds.stats()["bytes_written"] >= 1_000_000 and not gds.stats()["fallbacks"]
+        gds.reset_stats()
     save(sd, dcp.FileSystemWriter(tmp_path / "stock"))
     ours = FastPersistReader(tmp_path / "fp").read_metadata().storage_data
     theirs = dcp.FileSystemReader(tmp_path / "stock").read_metadata().storage_data
