@@ -45,7 +45,7 @@ import threading
 import weakref
 from typing import Optional
 
-from . import _engine, release, torch_format
+from . import _engine, device_io, release, torch_format
 from .options import Options
 from .save import _fsync_folder, _keep_mode_of, _Temporary, remove_stale_temporaries
 from .writer import FastFileWriter
@@ -135,10 +135,10 @@ def save_partitioned(obj, path: str, group, opts: Options, pickle_module=pickle,
     plan, error = None, refusal
     if refusal is None:
         try:
+            # device storages stay where they are: each rank streams its slice of them through the
+            # engine's buffers and checksums the rest on the device (no host copy of the state)
             plan = torch_format.CheckpointPlan.for_path(obj, path, pickle_module, pickle_protocol,
                                                         disable_byteorder_record)
-            # each rank writes a slice and checksums the rest: all of it from host memory
-            plan.copy_device_storages_to_host()
         except BaseException as exc:  # noqa: BLE001 - every rank must reach the exchange
             error = exc
     return write_partitioned(plan, path, group, opts, error, sequence=sequence)
@@ -287,6 +287,7 @@ def _write_range(plan: torch_format.CheckpointPlan, writer, lo: int, hi: int, ch
     returns (record index, offset in record, length, crc) of each storage piece
     written (crc 0 without checksum)."""
     pieces = []
+    copiers: dict = {}  # device_io.stream_bytes', one side stream per device for the file
     for offset, length, kind, i in _segments(plan):
         start, end = max(offset, lo), min(offset + length, hi)
         if start >= end:
@@ -301,12 +302,22 @@ def _write_range(plan: torch_format.CheckpointPlan, writer, lo: int, hi: int, ch
         elif record.source.data is not None:
             writer.write(record.source.data[start - offset:end - offset])
         elif record.source.storage is not None:
-            address = record.source.storage.data_ptr() + (start - offset)
-            crc = writer.write_address(address, n, 0 if checksum else None)
+            storage = record.source.storage
+            if _on_host(storage):
+                crc = writer.write_address(storage.data_ptr() + (start - offset), n, 0 if checksum else None)
+            else:  # through the engine's buffers, or GPUDirect Storage for its aligned middle
+                source = device_io.byte_view(storage)[start - offset:end - offset]
+                crc = device_io.write_storage(source, writer, 0 if checksum else None, copiers)
             pieces.append((i, start - offset, n, crc or 0))
         else:
             writer.write_zeros(n)  # skip_data: space reserved
     return pieces
+
+
+def _on_host(storage) -> bool:
+    """Whether a storage's bytes are read by address (host memory), not
+    copied from its device (tests force CPU storages the device's way)."""
+    return storage.device.type == "cpu" and not torch_format.STREAM_CPU_STORAGES
 
 
 def _combine(plan: torch_format.CheckpointPlan, pieces: list) -> dict:
@@ -348,21 +359,33 @@ class _OutsideChecksums:
     def __init__(self, plan: torch_format.CheckpointPlan, lo: int, hi: int):
         self._pieces: list = []
         self._error: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._run, args=(plan, lo, hi), daemon=True,
+        # a device storage's CRC runs on the device, after the kernels the caller queued on its current stream
+        streams = {}
+        for i in _storages(plan):
+            device = plan.records[i].source.storage.device
+            if device.type == "cuda" and device not in streams:
+                import torch
+
+                streams[device] = torch.cuda.current_stream(device)
+        self._thread = threading.Thread(target=self._run, args=(plan, lo, hi, streams), daemon=True,
                                         name="fastpersist-compare-replicas")
         self._thread.start()
 
-    def _run(self, plan, lo: int, hi: int) -> None:
+    def _run(self, plan, lo: int, hi: int, streams: dict) -> None:
         try:
             lib, ffi = _engine._load()
             for i in _storages(plan):
                 r = plan.records[i]
                 start, end = r.layout.data_offset, r.layout.data_offset + r.layout.size
-                base = r.source.storage.data_ptr()
+                storage = r.source.storage
                 for a, b in ((start, min(end, lo)), (max(start, hi), end)):  # before and after the range
-                    if a < b:
-                        crc = lib.fp_crc32(0, ffi.cast("const void *", base + a - start), b - a)
-                        self._pieces.append((i, a - start, b - a, int(crc)))
+                    if a >= b:
+                        continue
+                    if _on_host(storage):
+                        crc = int(lib.fp_crc32(0, ffi.cast("const void *", storage.data_ptr() + a - start), b - a))
+                    else:
+                        crc = _device_crc(device_io.byte_view(storage)[a - start:b - start], streams)
+                    self._pieces.append((i, a - start, b - a, crc))
         except BaseException as exc:  # noqa: BLE001 - raised by result(), on the rank's own thread
             self._error = exc
 
@@ -374,6 +397,20 @@ class _OutsideChecksums:
         if self._error is not None:
             raise self._error
         return self._pieces
+
+
+def _device_crc(source, streams: dict) -> int:
+    """CRC-32 of bytes on a device, computed there (device_crc), on the
+    caller's current stream of that device."""
+    from . import device_crc
+
+    stream = streams.get(source.device)
+    if stream is None:
+        return device_crc.crc32(source)
+    import torch
+
+    with torch.cuda.stream(stream):
+        return device_crc.crc32(source)
 
 
 def _storage_crcs(plan: torch_format.CheckpointPlan, pieces: list) -> list:

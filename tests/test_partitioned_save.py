@@ -82,6 +82,28 @@ def _worker(rank, world, folder, scenario, results):
                 outcomes.append(torch.load(dest, weights_only=True)["step"])
             dist.all_reduce(torch.ones(1))  # the training group is not stuck in an exchange
             results[rank] = ("ok", outcomes)
+        elif scenario == "streamed":
+            # every storage takes the device storages' way (captured, streamed through the buffers, the
+            # aligned middles by the GDS stand-in, the other ranks' bytes checksummed by device_crc)
+            from fastpersist import _torch_api, gds, torch_format
+
+            _torch_api.CAPTURE = "always"
+            torch_format.STREAM_CPU_STORAGES = True
+            gds.STAND_IN_FOR_CPU, gds.MIN_BYTES = True, 8192
+            streamed, checksummed = [], []
+            real_write, real_crc = fp_dist.device_io.write_storage, fp_dist._device_crc
+            fp_dist.device_io.write_storage = lambda source, *a, **k: (streamed.append(source.numel()),
+                                                                        real_write(source, *a, **k))[1]
+            fp_dist._device_crc = lambda source, *a: (checksummed.append(source.numel()), real_crc(source, *a))[1]
+            fastpersist.save(obj, dest, group=dist.group.WORLD)
+            if rank == 1:
+                obj["w"][-1000:] += 1
+            try:
+                fastpersist.save(obj, os.path.join(folder, "differ.pt"), group=dist.group.WORLD)
+                differ = "saved"
+            except fp_dist.ReplicaMismatchError as exc:
+                differ = str(exc)
+            results[rank] = ("ok", (sum(streamed), sum(checksummed), gds.stats()["bytes_written"], differ))
         elif scenario == "differ":
             if rank == 2:
                 obj["step"] = 6
@@ -189,6 +211,28 @@ def test_ranks_write_one_file_byte_equal_to_a_single_process_save(folder):
         assert directory(a) == directory(b) and len(directory(a)) == len(a.infolist()) - 1
         assert a.testzip() is None
     assert leftovers(folder) == []
+
+
+def test_device_storages_are_streamed_and_checksummed_without_a_host_copy(folder):
+    """The way a group save takes GPU state, forced for CPU storages: each
+    rank streams its slice of the storages through the engine (the aligned
+    middles by the GDS stand-in) and checksums the other ranks' slices with
+    the device CRC code; the file is the single-process save's, and values
+    that differ between ranks are still refused."""
+    results = run(folder, "streamed")
+    outcomes = [results[r][1] for r in range(WORLD)]
+    total = sum(t.numel() * t.element_size() for t in (state()["w"], state()["b"], state()["nested"]["h"]))
+    # each save: every storage byte streamed by exactly one rank and checksummed by every other one
+    assert sum(o[0] for o in outcomes) == 2 * total
+    assert sum(o[1] for o in outcomes) == 2 * total * (WORLD - 1)
+    assert sum(o[2] for o in outcomes) > 0
+    assert all("rank(s) [1] hold other values than rank 0" in o[3] for o in outcomes)
+    fastpersist.save(state(), folder / "single.pt")
+    ours, single = records(folder / "ckpt.pt"), records(folder / "single.pt")
+    assert {k.split("/", 1)[1]: v for k, v in ours.items()} == {k.split("/", 1)[1]: v for k, v in single.items()}
+    with zipfile.ZipFile(folder / "ckpt.pt") as a, zipfile.ZipFile(folder / "single.pt") as b:
+        assert [i.CRC for i in a.infolist()][:-1] == [i.CRC for i in b.infolist()][:-1] and a.testzip() is None
+    assert not (folder / "differ.pt").exists() and leftovers(folder) == []
 
 
 def test_a_failure_on_one_rank_fails_every_rank_and_loses_nothing(folder):
