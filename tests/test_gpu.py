@@ -402,3 +402,52 @@ def test_gds_on_tmpfs(gds_here):
     done = gds.stats()
     print(f"tmpfs under {gds_here}: {done}")
     assert done["fallbacks"] or done["bytes_written"] > 0
+
+
+def _group_worker(rank, world, folder, results):
+    import torch.distributed as dist
+
+    from fastpersist import distributed as fp_dist
+
+    os.environ["FASTPERSIST_AUTOPATCH"] = "0"
+    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world)
+    try:
+        state = group_state()
+        fastpersist.save(state, os.path.join(folder, "ckpt.pt"), group=dist.group.WORLD)
+        if rank == 1:
+            state["w"][-1000:] += 1  # where rank 1 writes: only the comparison on the GPU can see it
+        try:
+            fastpersist.save(state, os.path.join(folder, "differ.pt"), group=dist.group.WORLD)
+            results[rank] = "saved"
+        except fp_dist.ReplicaMismatchError as exc:
+            results[rank] = str(exc)
+    finally:
+        dist.destroy_process_group()
+
+
+def group_state():
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(4_000_000, generator=g).cuda(), "b": torch.arange(1001, device="cuda"), "step": 5}
+
+
+def test_a_group_save_of_gpu_state(tmp_path):
+    """Two ranks (processes on one GPU, gloo) save their GPU state together:
+    the file is a single save's, and values that differ between the ranks
+    (compared by CRC-32 computed on the GPU) are refused."""
+    import zipfile
+
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_group_worker, args=(2, str(tmp_path), results), nprocs=2, join=True)
+        results = dict(results)
+    assert all("rank(s) [1] hold other values than rank 0" in results[r] for r in range(2)), results
+    fastpersist.save(group_state(), tmp_path / "single.pt")
+    with zipfile.ZipFile(tmp_path / "ckpt.pt") as a, zipfile.ZipFile(tmp_path / "single.pt") as b:
+        def named(z):
+            return {i.filename.split("/", 1)[1]: (i.CRC, z.read(i)) for i in z.infolist()
+                    if not i.filename.endswith("serialization_id")}
+
+        assert named(a) == named(b)
+    same(group_state(), torch.load(tmp_path / "ckpt.pt", weights_only=False))
