@@ -76,21 +76,58 @@ ssize_t cuFileWrite(CUfileHandle_t fh, const void *bufPtr_base, size_t size, lon
 """
 _HANDLE_TYPE_OPAQUE_FD = 1
 
-# cufile.h's CUfileOpError names for the errors a driver open or a first use reports
+# cufile.h's CUfileOpError names (CUFILEOP_BASE_ERR 5000 + n), so that a failure on a machine
+# borrowed for minutes names itself; a few carry what they mean here
 _ERRORS = {
     0: "CU_FILE_SUCCESS",
     5001: "CU_FILE_DRIVER_NOT_INITIALIZED (nvidia-fs is not loaded and compatibility mode is not allowed)",
     5002: "CU_FILE_DRIVER_INVALID_PROPS",
-    5003: "CU_FILE_DRIVER_UNSUPPORTED_API",
+    5003: "CU_FILE_DRIVER_UNSUPPORTED_LIMIT",
     5004: "CU_FILE_DRIVER_VERSION_MISMATCH",
     5005: "CU_FILE_DRIVER_VERSION_READ_ERROR",
     5006: "CU_FILE_DRIVER_CLOSING",
     5007: "CU_FILE_PLATFORM_NOT_SUPPORTED",
-    5008: "CU_FILE_IO_NOT_SUPPORTED",
+    5008: "CU_FILE_IO_NOT_SUPPORTED (GDS does not support this file or its filesystem)",
     5009: "CU_FILE_DEVICE_NOT_SUPPORTED",
     5010: "CU_FILE_NVFS_DRIVER_ERROR",
     5011: "CU_FILE_CUDA_DRIVER_ERROR",
+    5012: "CU_FILE_CUDA_POINTER_INVALID",
+    5013: "CU_FILE_CUDA_MEMORY_TYPE_INVALID (the memory is not plain device memory cuFile accepts)",
+    5014: "CU_FILE_CUDA_POINTER_RANGE_ERROR",
+    5015: "CU_FILE_CUDA_CONTEXT_MISMATCH",
+    5016: "CU_FILE_INVALID_MAPPING_SIZE",
+    5017: "CU_FILE_INVALID_MAPPING_RANGE",
+    5018: "CU_FILE_INVALID_FILE_TYPE",
+    5019: "CU_FILE_INVALID_FILE_OPEN_FLAG",
+    5020: "CU_FILE_DIO_NOT_SET (the file was not opened with O_DIRECT)",
+    5022: "CU_FILE_INVALID_VALUE",
+    5023: "CU_FILE_MEMORY_ALREADY_REGISTERED",
+    5024: "CU_FILE_MEMORY_NOT_REGISTERED",
+    5025: "CU_FILE_PERMISSION_DENIED",
+    5026: "CU_FILE_DRIVER_ALREADY_OPEN",
+    5027: "CU_FILE_HANDLE_NOT_REGISTERED",
+    5028: "CU_FILE_HANDLE_ALREADY_REGISTERED",
+    5029: "CU_FILE_DEVICE_NOT_FOUND",
+    5030: "CU_FILE_INTERNAL_ERROR",
+    5031: "CU_FILE_GETNEWFD_FAILED",
     5033: "CU_FILE_NVFS_SETUP_ERROR",
+    5034: "CU_FILE_IO_DISABLED",
+    5035: "CU_FILE_BATCH_SUBMIT_FAILED",
+    5036: "CU_FILE_GPU_MEMORY_PINNING_FAILED",
+    5037: "CU_FILE_BATCH_FULL",
+    5038: "CU_FILE_ASYNC_NOT_SUPPORTED",
+    5039: "CU_FILE_INTERNAL_BATCH_SETUP_ERROR",
+    5040: "CU_FILE_INTERNAL_BATCH_SUBMIT_ERROR",
+    5041: "CU_FILE_INTERNAL_BATCH_GETSTATUS_ERROR",
+    5042: "CU_FILE_INTERNAL_BATCH_CANCEL_ERROR",
+    5043: "CU_FILE_NOMEM_ERROR",
+    5044: "CU_FILE_IO_ERROR",
+    5045: "CU_FILE_INTERNAL_BUF_REGISTER_ERROR",
+    5046: "CU_FILE_HASH_OPR_ERROR",
+    5047: "CU_FILE_INVALID_CONTEXT_ERROR",
+    5048: "CU_FILE_NVFS_INTERNAL_DRIVER_ERROR",
+    5049: "CU_FILE_BATCH_NOCOMPAT_ERROR",
+    5050: "CU_FILE_IO_MAX_ERROR",
 }
 
 NVIDIA_FS_VERSION = "/proc/driver/nvidia-fs/version"
@@ -103,7 +140,12 @@ class GdsUnavailable(RuntimeError):
 
 class GdsError(OSError):
     """cuFile refused a file or failed an I/O: the data path falls back to
-    the engine's buffers for it (fastpersist.gds)."""
+    the engine's buffers for it (fastpersist.gds). ``reason``: what failed,
+    without the path or offset (fallbacks are counted and logged by it)."""
+
+    def __init__(self, message: str, reason: Optional[str] = None):
+        super().__init__(message)
+        self.reason = reason or message
 
 
 def error_text(code: int) -> str:
@@ -225,7 +267,9 @@ class CuFile:
         descr.handle.fd = fd
         status = self.lib.cuFileHandleRegister(handle, descr)
         if status.err != 0:
-            raise GdsError(f"cuFileHandleRegister refused {path}: {error_text(status.err)}")
+            what = error_text(status.err) + (f", CUDA driver error {status.cu_err}" if status.cu_err else "")
+            raise GdsError(f"cuFileHandleRegister refused {path}: {what}",
+                           reason=f"cuFileHandleRegister refused the file: {what}")
         return handle[0]
 
     def deregister(self, handle) -> None:
@@ -240,13 +284,17 @@ class CuFile:
         done = 0
         while done < nbytes:
             n = call(handle, base, nbytes - done, offset + done, done)
+            name = "cuFileWrite" if write else "cuFileRead"
             if n < 0:
-                what = (os.strerror(self.ffi.errno) if n == -1 else error_text(-n))
-                raise GdsError(f"{'cuFileWrite' if write else 'cuFileRead'} of {nbytes - done} bytes at offset "
-                               f"{offset + done} of {path} failed: {what}")
+                # -1: errno says; -CUfileOpError: cuFile says; other small ones: an errno, negated
+                what = (os.strerror(self.ffi.errno) if n == -1 else error_text(-n) if -n >= 5000
+                        else os.strerror(-n))
+                raise GdsError(f"{name} of {nbytes - done} bytes at offset {offset + done} of {path} failed: {what}",
+                               reason=f"{name} failed: {what}")
             if n == 0:
                 if write:
-                    raise GdsError(f"cuFileWrite wrote nothing at offset {offset + done} of {path}")
+                    raise GdsError(f"cuFileWrite wrote nothing at offset {offset + done} of {path}",
+                                   reason="cuFileWrite wrote nothing")
                 raise EOFError(path)
             done += n
 

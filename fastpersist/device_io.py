@@ -23,6 +23,7 @@ CUDA is touched only when a CUDA storage is met.
 """
 from __future__ import annotations
 
+import bisect
 import collections
 import ctypes
 import logging
@@ -55,7 +56,9 @@ class Piece:
 
         target = self.target
         if target.dtype != torch.uint8 or target.dim() != 1:
-            target = target.reshape(-1).view(torch.uint8)  # a CPU target is contiguous: a view
+            if not target.is_contiguous():
+                raise ValueError("a piece's target must be contiguous")
+            target = target.reshape(-1).view(torch.uint8)  # contiguous: a view of the same bytes
         return target[lo:hi]
 
 
@@ -107,13 +110,26 @@ def _direct_middles(pieces: list, transfer: str, allow_compat: bool) -> dict:
         split = gds.aligned_middle(p.offset, p.nbytes) if takes[device] else None
         if split is not None:
             found[i] = split
-    if found:
-        spans = sorted((p.offset, p.offset + p.nbytes, i) for i, p in enumerate(pieces))
+    if found:  # drop the middles another piece shares bytes with: one sweep over the pieces by offset
+        order = sorted(range(len(pieces)), key=lambda i: pieces[i].offset)
+        starts = [pieces[i].offset for i in order]
+        top: list = []  # per prefix of order: (largest end, its piece, second largest end)
+        best = (-1, -1, -1)
+        for i in order:
+            end = pieces[i].offset + pieces[i].nbytes
+            if end > best[0]:
+                best = (end, i, best[0])
+            elif end > best[2]:
+                best = (best[0], best[1], end)
+            top.append(best)
         for i, (head, middle) in list(found.items()):
             a = pieces[i].offset + head
             b = a + middle
-            if any(start < b and a < end and j != i for start, end, j in spans):
-                del found[i]
+            k = bisect.bisect_left(starts, b)  # the pieces starting before the middle ends
+            if k:
+                end, owner, second = top[k - 1]
+                if (second if owner == i else end) > a:
+                    del found[i]
     return found
 
 
@@ -122,13 +138,15 @@ def _read_with_middles(engine, direct_fd: int, fd: int, path: str, pieces: list,
     """read_into where GPUDirect Storage reads the middles: in file order,
     each run of other bytes through the engine, then the next middle with
     cuFile. A file or a middle cuFile refuses goes through the buffers."""
-    files: dict = {}  # device -> gds.DeviceFile or None
+    files: dict = {}  # is CUDA's -> gds.DeviceFile or None: one handle serves every GPU
+    asked_for_gds = transfer == "gds"
     try:
         for i in middles:
-            device = pieces[i].target.device
-            if device not in files:
-                files[device] = gds.open_file(path, direct_fd, fd, device)
-        middles = {i: split for i, split in middles.items() if files[pieces[i].target.device] is not None}
+            cuda = pieces[i].target.device.type == "cuda"
+            if cuda not in files:
+                files[cuda] = gds.open_file(path, direct_fd, fd, cuda, asked_for_gds)
+        middles = {i: split for i, split in middles.items()
+                   if files[pieces[i].target.device.type == "cuda"] is not None}
         host = []  # what the engine reads: every piece but the middles
         for i, p in enumerate(pieces):
             if i not in middles:
@@ -158,10 +176,12 @@ def _read_with_middles(engine, direct_fd: int, fd: int, path: str, pieces: list,
             p = pieces[i]
             head, middle = middles[i]
             part = p.byte_range(head, head + middle)
+            device_file = files[p.target.device.type == "cuda"]
             try:
-                files[p.target.device].read(part, p.offset + head)
-            except cufile.GdsError as exc:
-                gds.fall_back(path, str(exc).replace(path, "the file"))
+                device_file.read(part, p.offset + head)
+            except cufile.GdsError as exc:  # this and the file's later middles: through the buffers
+                if exc.reason != "failed earlier":
+                    gds.fall_back(path, exc.reason, asked_for_gds)
                 crcs.update(PullRead(engine, direct_fd, fd, path, p.offset + head, p.offset + head + middle).deliver(
                     [p.part(head, head + middle)], checksums, transfer, allow_compat))
                 if checksums:
@@ -395,8 +415,8 @@ def write_storage(source, sink, crc: Optional[int], copiers: Optional[dict] = No
     part = source[head:head + middle]
     try:
         sink.write_outside(middle, lambda offset: device_file.write(part, offset))
-    except cufile.GdsError as exc:
-        gds.fall_back(sink.path, str(exc).replace(sink.path, "the file"))
+    except cufile.GdsError as exc:  # the file's handle is closed: its other records take the buffers
+        gds.fall_back(sink.path, exc.reason, sink.options.transfer == "gds")
         crc = stream_bytes(part, sink, crc, copiers)  # the stream begins again where the middle would have
     else:
         if crc is not None:

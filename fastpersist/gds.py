@@ -68,15 +68,17 @@ def _count(key: str, n: int = 1) -> None:
         _stats[key] += n
 
 
-def fall_back(path: str, reason: str) -> None:
-    """Counts a fallback to the buffers and logs its reason once."""
+def fall_back(path: str, reason: str, asked_for_gds: bool = True) -> None:
+    """Counts a fallback to the buffers and logs its reason once (a warning
+    where transfer="gds" was asked for; under "auto", information)."""
     with _stats_lock:
         _stats["fallbacks"][reason] += 1
         first = reason not in _reported
         _reported.add(reason)
     if first:
-        log.warning("fastpersist: GPUDirect Storage refused %s, which goes through the engine's buffers: %s "
-                    "(said once per reason; fastpersist.gds.stats() counts them)", path, reason)
+        log.log(logging.WARNING if asked_for_gds else logging.INFO,
+                "fastpersist: GPUDirect Storage refused %s, which goes through the engine's buffers: %s "
+                "(said once per reason; fastpersist.gds.stats() counts them)", path, reason)
 
 
 def aligned_middle(offset: int, nbytes: int, min_bytes: Optional[int] = None) -> Optional[tuple]:
@@ -99,21 +101,25 @@ def takes(device, transfer: str, allow_compat: bool) -> bool:
 
 
 class DeviceFile:
-    """One file's cuFile handle (or, for CPU storages in tests, the stand-in).
-    write()/read() move a 1-D uint8 tensor's bytes at a file offset and
-    raise GdsError where cuFile fails; close() deregisters."""
+    """One file's cuFile handle, registered once and shared by the storages
+    of every GPU (a handle belongs to the file, not to a device), or, for CPU
+    storages in tests, the stand-in. write()/read() move a 1-D uint8
+    tensor's bytes at a file offset and raise GdsError where cuFile fails;
+    the first failure closes the handle (``usable`` turns False): the rest
+    of the file goes through the buffers, not through one failure per
+    record. close() deregisters."""
 
-    def __init__(self, path: str, fd: int, device):
-        self.path, self.device = path, device
+    def __init__(self, path: str, fd: int, cuda: bool):
+        self.path = path
         self._handle = None
         self._driver = None
         self._fd = fd
-        if device.type == "cuda":
+        if cuda:
             self._driver = cufile.driver()
-            with _on(device):
-                self._handle = self._driver.register(fd, path)
+            self._handle = self._driver.register(fd, path)
         else:
             _HostStandIn.register(path)
+        self.usable = True
         _count("files")
 
     def write(self, source, offset: int) -> None:
@@ -125,35 +131,45 @@ class DeviceFile:
         _count("bytes_read", target.numel())
 
     def _move(self, write: bool, tensor, offset: int) -> None:
-        if self._handle is None:
-            _HostStandIn.move(self._fd, write, tensor, offset, self.path)
-            return
-        import torch
+        if not self.usable:
+            raise cufile.GdsError(f"{self.path}: cuFile failed earlier in this file", reason="failed earlier")
+        try:
+            if self._driver is None:
+                _HostStandIn.move(self._fd, write, tensor, offset, self.path)
+                return
+            import torch
 
-        with _on(self.device):
-            # queued kernels that write (save) or last used (a fresh load target's memory) these bytes go first
-            torch.cuda.current_stream(self.device).synchronize()
-            self._driver.transfer(self._handle, write, tensor.data_ptr(), tensor.numel(), offset, self.path)
+            if not tensor.is_contiguous():
+                raise ValueError("GPUDirect Storage moves contiguous bytes only")
+            with _on(tensor.device):
+                # queued kernels that write (save) or last used (a fresh load target's memory) these bytes go first
+                torch.cuda.current_stream(tensor.device).synchronize()
+                self._driver.transfer(self._handle, write, tensor.data_ptr(), tensor.numel(), offset, self.path)
+        except cufile.GdsError:
+            self.close()
+            raise
 
     def close(self) -> None:
+        self.usable = False
         if self._handle is not None:
             handle, self._handle = self._handle, None
             self._driver.deregister(handle)
 
 
-def open_file(path: str, direct_fd: int, fd: int, device) -> Optional[DeviceFile]:
+def open_file(path: str, direct_fd: int, fd: int, cuda: bool, asked_for_gds: bool = True) -> Optional[DeviceFile]:
     """A DeviceFile for path, or None (counted and logged) where cuFile
-    refuses it. Native GDS needs the O_DIRECT descriptor."""
-    use = fd  # the tests' stand-in: pwrite and pread
-    if device.type == "cuda":
+    refuses it. Native GDS needs the O_DIRECT descriptor; the stand-in
+    (cuda False) takes the buffered one."""
+    use = fd
+    if cuda:
         use = direct_fd if direct_fd >= 0 else fd
         if direct_fd < 0 and cufile.driver_mode().startswith("native"):
-            fall_back(path, "the file could not be opened with O_DIRECT, which nvidia-fs needs")
+            fall_back(path, "the file could not be opened with O_DIRECT, which nvidia-fs needs", asked_for_gds)
             return None
     try:
-        return DeviceFile(path, use, device)
+        return DeviceFile(path, use, cuda)
     except cufile.GdsError as exc:
-        fall_back(path, str(exc).replace(path, "the file"))
+        fall_back(path, exc.reason, asked_for_gds)
         return None
 
 
@@ -185,14 +201,18 @@ class _HostStandIn:
     @classmethod
     def register(cls, path: str) -> None:
         if cls.REFUSE_FILES:
-            raise cufile.GdsError(f"cuFileHandleRegister refused {path}: CU_FILE_IO_NOT_SUPPORTED (test stand-in)")
+            raise cufile.GdsError(f"cuFileHandleRegister refused {path}: CU_FILE_IO_NOT_SUPPORTED (test stand-in)",
+                                  reason="cuFileHandleRegister refused the file: CU_FILE_IO_NOT_SUPPORTED "
+                                         "(test stand-in)")
 
     @classmethod
     def move(cls, fd: int, write: bool, tensor, offset: int, path: str) -> None:
         from . import _engine
 
         if (cls.FAIL_WRITE_AT if write else cls.FAIL_READ_AT) == offset:
-            raise cufile.GdsError(f"{'cuFileWrite' if write else 'cuFileRead'} failed (test stand-in)")
+            call = "cuFileWrite" if write else "cuFileRead"
+            raise cufile.GdsError(f"{call} at offset {offset} of {path} failed (test stand-in)",
+                                  reason=f"{call} failed (test stand-in)")
         view = _engine.memory_at(tensor.data_ptr(), tensor.numel())
         done = 0
         while done < len(view):

@@ -53,7 +53,8 @@ class FastFileWriter(io.RawIOBase):
         flags |= os.O_EXCL if exclusive else 0
         flags |= os.O_TRUNC if truncate else 0
         self._engine: Optional[_engine.Engine] = None
-        self._device_files: dict = {}  # device -> gds.DeviceFile, or None where the buffers move its storages
+        self._device_files: dict = {}  # is CUDA's -> gds.DeviceFile, or None (cuFile refused the file)
+        self._gds_takes: dict = {}  # device -> whether GPUDirect Storage moves its storages
         self._expected_size, self._sole_writer = expected_size, sole_writer
         self._buffered_fd = os.open(self.path, flags, 0o666)
         self._direct_fd = -1
@@ -130,14 +131,21 @@ class FastFileWriter(io.RawIOBase):
     def device_file(self, device) -> Optional["gds.DeviceFile"]:
         """This file's GPUDirect Storage handle for storages on device, or
         None where they go through the engine's buffers (the transfer
-        option; a file cuFile refuses). Raises GdsUnavailable for
-        transfer="gds" where GDS cannot run."""
+        option; a file cuFile refused, or failed in). One handle serves
+        every GPU. Raises GdsUnavailable for transfer="gds" where GDS
+        cannot run."""
         self._check_open()
-        if device not in self._device_files:
-            taken = gds.takes(device, self.options.transfer, self.options.allow_gds_compat)
-            self._device_files[device] = (gds.open_file(self.path, self._direct_fd, self._buffered_fd, device)
-                                          if taken else None)
-        return self._device_files[device]
+        takes = self._gds_takes.get(device)
+        if takes is None:
+            takes = self._gds_takes[device] = gds.takes(device, self.options.transfer, self.options.allow_gds_compat)
+        if not takes:
+            return None
+        cuda = device.type == "cuda"
+        if cuda not in self._device_files:
+            self._device_files[cuda] = gds.open_file(self.path, self._direct_fd, self._buffered_fd, cuda,
+                                                     self.options.transfer == "gds")
+        device_file = self._device_files[cuda]
+        return device_file if device_file is not None and device_file.usable else None
 
     def write_outside(self, nbytes: int, write) -> None:
         """The file's next nbytes are written by write(offset) instead of the
@@ -149,11 +157,17 @@ class FastFileWriter(io.RawIOBase):
         offset = self._engine.tell()
         if offset % 4096:
             raise ValueError(f"write_outside at offset {offset} of {self.path}: not 4096-aligned")
-        self._engine.end()
+        self._engine.end()  # a sole writer's end cuts the file at the offset: allocate the bytes again
+        if self._sole_writer:
+            with contextlib.suppress(OSError):  # a filesystem without fallocate: writes extend the file
+                os.posix_fallocate(self._buffered_fd, offset, nbytes)
         try:
             write(offset)
-        except BaseException:
-            self._begin_at(offset)
+        except BaseException as exc:
+            try:
+                self._begin_at(offset)
+            except BaseException as again:
+                raise again from exc
             raise
         self._begin_at(offset + nbytes)
 

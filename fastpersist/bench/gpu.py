@@ -75,7 +75,7 @@ class GpuBench:
             raise BenchError("no CUDA device is available here (torch.cuda.is_available() is False); "
                              "`--device cpu` checks that the benchmark runs, without measuring a GPU")
         self.dtype = getattr(torch, args.dtype)
-        self.options = common.bench_options()
+        self.options = common.bench_options(transfer="bounce")  # the GDS rows say transfer="gds" themselves
         self.config, self.base_name, _ = sized_model(int(args.size * GB), self.dtype)
         nbytes = models.param_bytes(self.config, self.dtype)
         self.workspace = common.Workspace(args.folder, int(nbytes * 3 * 1.05) + (64 << 20))
@@ -179,11 +179,12 @@ class GpuBench:
     def fastpersist_load(self, **extra) -> float:
         import fastpersist
 
-        return self._timed_load(fastpersist.load, **extra)
+        with common.options_for_load(self.options.replace(**extra)):  # fastpersist.load takes torch.load's arguments
+            return self._timed_load(fastpersist.load)
 
-    def _timed_load(self, load: Callable, **extra) -> float:
+    def _timed_load(self, load: Callable) -> float:
         start = time.perf_counter()
-        loaded = load(self.checkpoint, map_location=self.device, weights_only=True, **extra)
+        loaded = load(self.checkpoint, map_location=self.device, weights_only=True)
         self.sync()
         seconds = time.perf_counter() - start
         del loaded  # freed outside the timing
