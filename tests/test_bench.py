@@ -344,3 +344,20 @@ def test_small_save_script_reports_every_mechanism_and_leaves_nothing(tmp_path):
     assert set(rows) == {"torch.save + fsync", "fastpersist.save", "atomic=False", "atomic=False, fsync=False"}
     assert rows["torch.save + fsync"][1] == "1.000"
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("script", ["torch_save_model.py", "torch_load_model.py"])
+def test_model_benchmark_scripts_run_and_refuse_a_missing_gpu(script, tmp_path):
+    import torch
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    command = [sys.executable, os.path.join(root, "benchmarks", script), "--model", "llama-tiny", "--repeats", "1",
+               "--engines", "psync", "--folder", str(tmp_path)]
+    env = {**os.environ, "FASTPERSIST_AUTOPATCH": "0"}
+    out = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    names = [line.split(" -- ")[0] for line in out.stdout.splitlines() if " -- " in line]
+    assert "fastpersist_save[psync]" in names if "save" in script else "fastpersist_load_into[psync]" in names
+    if not torch.cuda.is_available():
+        refused = subprocess.run(command + ["--gpu"], capture_output=True, text=True, timeout=300, env=env)
+        assert refused.returncode != 0 and "--gpu: no CUDA device is available here" in refused.stderr

@@ -175,12 +175,13 @@ def raw_engine_write(source, nbytes: int, engine: str) -> Callable[[str], int]:
 
 
 def run_load_rounds(runner: Runner, path: str, target, engines: list[str], repeats: int,
-                    vanilla: bool = True) -> None:
+                    vanilla: bool = True, device: str = "cpu") -> None:
     """The rounds every load benchmark runs, then the report, each from a cold
     page cache and with every byte of the result touched: vanilla torch.load,
     torch.load(mmap=True), then per engine fastpersist.load, load_into
     ``target`` (existing, already touched tensors) and the raw engine reading
-    the file into an already touched buffer."""
+    the file into an already touched buffer. device: where the loads put the
+    tensors (map_location; a CUDA device's timings wait for it)."""
     import gc
     import mmap
 
@@ -203,10 +204,18 @@ def run_load_rounds(runner: Runner, path: str, target, engines: list[str], repea
         results.clear()
         gc.collect()
 
+    on_gpu = torch.device(device).type == "cuda"
+    where = {"map_location": device} if on_gpu else {}
+
+    def settled():
+        if on_gpu:
+            torch.cuda.synchronize(device)
+
     def load_with(loader, **kwargs):
         def run():
-            results.append(loader(path, **kwargs))
+            results.append(loader(path, **where, **kwargs))
             touch_all(results[-1])
+            settled()
             return size
         return run
 
@@ -214,6 +223,7 @@ def run_load_rounds(runner: Runner, path: str, target, engines: list[str], repea
         def run():
             fastpersist.load_into(target, path, engine=engine)
             touch_all(target)
+            settled()
             return size
         return run
 
