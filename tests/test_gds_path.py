@@ -259,3 +259,20 @@ def test_device_crc_without_device_memory_takes_the_host(monkeypatch):
                         lambda chunk: (calls.append(1), no_memory(chunk) if len(calls) == 2 else real(chunk))[1])
     assert device_crc.crc32(torch.from_numpy(data), 7) == zlib.crc32(data.tobytes(), 7)
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize("options", [dict(direct=False), dict(atomic=False), dict(atomic=False, direct=False),
+                                     dict(fsync=False, request_size=4096, buffer_size=8192)])
+def test_gds_writes_under_other_options(tmp_path, stand_in, monkeypatch, options):
+    """Buffered descriptors, a file written in place (not the sole-writer
+    temporary), tiny buffers: the same bytes as the bounce path."""
+    obj = state()
+    (tmp_path / "gds").mkdir()
+    (tmp_path / "gds" / "c.pt").write_bytes(b"an older, longer checkpoint" * 200_000)  # replaced in place
+    monkeypatch.setattr(torch_format, "new_serialization_id", lambda: "7" * 40)
+    fastpersist.save(obj, tmp_path / "gds" / "c.pt", **{**SMALL, **options})
+    monkeypatch.setattr(gds, "STAND_IN_FOR_CPU", False)
+    (tmp_path / "bounce").mkdir()
+    fastpersist.save(obj, tmp_path / "bounce" / "c.pt", **{**SMALL, **options})
+    assert (tmp_path / "gds" / "c.pt").read_bytes() == (tmp_path / "bounce" / "c.pt").read_bytes()
+    assert gds.stats()["bytes_written"] > 0
