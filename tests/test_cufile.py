@@ -180,3 +180,29 @@ def test_info_says_what_each_transfer_option_makes_of_gpu_tensors():
     assert allowed["gpu_tensors_take"] == "gds" and allowed["why"].startswith("compatibility mode")
     assert _transfer_choice({"transfer": "gds", "allow_gds_compat": True}, native, False)["why"] == \
         "no usable CUDA device"
+
+
+@pytest.mark.skipif(not NO_DRIVER, reason="an NVIDIA driver is here: tests/test_gpu.py runs the data path")
+def test_the_data_path_calls_reach_the_real_library_and_fail_cleanly(tmp_path):
+    """cuFileHandleRegister and cuFileRead through the shim's declarations,
+    against libcufile 1.14 (CUDA 12's wheel, which fails cleanly where
+    libcuda.so.1 is missing; 1.20 would hang): each refusal comes back as a
+    GdsError naming cuFile's reason, never a crash. In a child process: a
+    library that misbehaves cannot take the test run down."""
+    script = f"""
+import os
+from fastpersist import cufile
+lib = cufile.CuFile({str(CU12_LIB)!r})
+fd = os.open({str(tmp_path / 'f.bin')!r}, os.O_RDWR | os.O_CREAT, 0o644)
+for name, call in (("register", lambda: lib.register(fd, "f.bin")),
+                   ("read", lambda: lib.transfer(lib.ffi.NULL, False, 0, 4096, 0, "f.bin"))):
+    try:
+        call()
+        print(name, "succeeded")
+    except cufile.GdsError as exc:
+        print(name, "refused:", exc.reason)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    lines = [line for line in out.stdout.splitlines() if line.startswith(("register", "read"))]
+    assert lines[0].startswith("register refused: cuFileHandleRegister refused the file: CU_FILE_"), out.stdout
+    assert lines[1].startswith("read refused: cuFileRead failed: "), out.stdout
