@@ -15,10 +15,11 @@ and combined with the edges' (computed by the engine): ``gds`` keeps
 ``compute_crc32`` and load-time verification as they are on the bounce path.
 
 Per-file fallback: cuFile can open its driver and still refuse a file
-(its filesystem, a handle it cannot register, an I/O that fails). That
-file's records then go through the engine's buffers, whole (the part not
-yet written or read), the reason is logged once and counted in ``stats()``,
-which the GPU benchmark prints.
+(its filesystem, a handle it cannot register) or fail an I/O in it. The
+file's records, from there on, then go through the engine's buffers whole;
+the reason is logged once (a warning where ``transfer="gds"`` was asked
+for, information under ``auto``) and counted in ``stats()``, which the GPU
+benchmark prints.
 
 Tests drive this same code with CPU storages and a stand-in for cuFile that
 moves the middles with pwrite and pread (``STAND_IN_FOR_CPU``): they check
