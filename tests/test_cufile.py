@@ -202,7 +202,8 @@ for name, call in (("register", lambda: lib.register(fd, "f.bin")),
     except cufile.GdsError as exc:
         print(name, "refused:", exc.reason)
 """
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True,
+                         cwd=tmp_path)  # cuFile writes cufile.log to the current folder
     lines = [line for line in out.stdout.splitlines() if line.startswith(("register", "read"))]
     assert lines[0].startswith("register refused: cuFileHandleRegister refused the file: CU_FILE_"), out.stdout
     assert lines[1].startswith("read refused: cuFileRead failed: "), out.stdout
