@@ -310,15 +310,6 @@ class CheckpointPlan:
                 r.source.data = data
                 self.set_crc(r, zlib.crc32(data))
 
-    def copy_device_storages_to_host(self) -> None:
-        """Points each record whose storage is off the CPU (captured while
-        pickling) at a host copy of it, for writers that need every
-        storage's bytes in host memory at once."""
-        for r in self.records:
-            storage = r.source.storage
-            if storage is not None and storage.device.type != "cpu":
-                r.source.storage = storage.cpu()
-
     def set_crc(self, record: PlannedRecord, crc: int) -> None:
         record.layout.crc = crc if self.compute_crc32 else 0
 
