@@ -142,7 +142,7 @@ class DeviceFile:
 
             if not tensor.is_contiguous():
                 raise ValueError("GPUDirect Storage moves contiguous bytes only")
-            with _on(tensor.device):
+            with torch.cuda.device(tensor.device):  # cuFile acts in the current device's context
                 # queued kernels that write (save) or last used (a fresh load target's memory) these bytes go first
                 torch.cuda.current_stream(tensor.device).synchronize()
                 self._driver.transfer(self._handle, write, tensor.data_ptr(), tensor.numel(), offset, self.path)
@@ -172,22 +172,6 @@ def open_file(path: str, direct_fd: int, fd: int, cuda: bool, asked_for_gds: boo
     except cufile.GdsError as exc:
         fall_back(path, exc.reason, asked_for_gds)
         return None
-
-
-class _on:
-    """CUDA's current device set to device for a cuFile call."""
-
-    def __init__(self, device):
-        self.device = device
-
-    def __enter__(self):
-        import torch
-
-        self._guard = torch.cuda.device(self.device)
-        self._guard.__enter__()
-
-    def __exit__(self, *exc):
-        return self._guard.__exit__(*exc)
 
 
 class _HostStandIn:
