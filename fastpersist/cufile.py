@@ -33,6 +33,7 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 from typing import Optional
 
@@ -210,11 +211,21 @@ def wheel_version(path: str) -> Optional[str]:
 # ---------------------------------------------------------------------------
 # loading it
 
+def log_file() -> str:
+    """Where cuFile writes its own log: CUFILE_LOGFILE_PATH where the user
+    set it, else one file per user in the temporary folder. Left to itself,
+    cuFile writes cufile.log into the current folder, the user's."""
+    return os.environ.get("CUFILE_LOGFILE_PATH") or os.path.join(
+        tempfile.gettempdir(), f"fastpersist-cufile-{os.getuid()}.log")
+
+
 class CuFile:
     """A loaded libcufile (cffi ABI mode: dlopen, no compiler)."""
 
     def __init__(self, path: str):
         import cffi
+
+        os.environ["CUFILE_LOGFILE_PATH"] = log_file()  # read by the library, before it opens its log
 
         self.path = path
         self.ffi = cffi.FFI()
@@ -445,8 +456,20 @@ def driver_mode() -> str:
 
 
 def _decide(allow_compat: bool) -> tuple:
-    """(transfer, why) from this process: torch has CUDA up already, so the
-    driver open cannot meet the missing-libcuda hang."""
+    """(transfer, why) from this process. Whatever goes wrong while probing
+    cuFile (a library that does not load, cffi without its parser, a driver
+    that refuses) means the buffers, with the reason: it never fails a save."""
+    try:
+        return _decide_here(allow_compat)
+    except Exception as exc:
+        return ("bounce", f"cuFile could not be probed: {type(exc).__name__}: {exc}")
+
+
+def _decide_here(allow_compat: bool) -> tuple:
+    """torch has CUDA up already, so a driver open cannot meet the
+    missing-libcuda hang; without nvidia-fs, and compatibility mode not
+    allowed, nothing of cuFile is loaded at all (its driver open costs time
+    and could hang a default save, for a mode that would be refused)."""
     global _driver, _driver_mode
     try:
         import torch
@@ -460,10 +483,15 @@ def _decide(allow_compat: bool) -> tuple:
         mode_ok = allow_compat or _driver_mode.startswith("native")
         return ("gds", _driver_mode) if mode_ok else ("bounce", why_not_gds({"library": _driver.path,
                                                                              "driver": "opened"}, True))
+    facts: dict = {"nvidia_fs_loaded": nvidia_fs_version()}
+    if facts["nvidia_fs_loaded"] is None and not allow_compat:
+        return ("bounce", f"nvidia-fs is not loaded ({os.path.dirname(NVIDIA_FS_VERSION)} is absent): cuFile "
+                          "could run only in compatibility mode, which takes the allow_gds_compat option; "
+                          "cuFile was not loaded")
     library = find_library(cuda_major=_torch_cuda_major())
     if library is None:
         return ("bounce", "libcufile not found (pip install fastpersist[gds], or set FASTPERSIST_CUFILE_LIBRARY)")
-    facts: dict = {"library": library, "nvidia_fs_loaded": nvidia_fs_version()}
+    facts["library"] = library
     try:
         opened = CuFile(library)
         opened.open_driver()

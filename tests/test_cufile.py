@@ -202,8 +202,67 @@ for name, call in (("register", lambda: lib.register(fd, "f.bin")),
     except cufile.GdsError as exc:
         print(name, "refused:", exc.reason)
 """
+    (tmp_path / "cwd").mkdir()
+    (tmp_path / "tmp").mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "CUFILE_LOGFILE_PATH"}
+    env["TMPDIR"] = str(tmp_path / "tmp")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True,
-                         cwd=tmp_path)  # cuFile writes cufile.log to the current folder
+                         cwd=tmp_path / "cwd", env=env)
     lines = [line for line in out.stdout.splitlines() if line.startswith(("register", "read"))]
     assert lines[0].startswith("register refused: cuFileHandleRegister refused the file: CU_FILE_"), out.stdout
     assert lines[1].startswith("read refused: cuFileRead failed: "), out.stdout
+    # cuFile's own log (its ERROR lines) lands in the temporary folder, never in the user's current one
+    assert list((tmp_path / "cwd").iterdir()) == []
+    assert "ERROR" in (tmp_path / "tmp" / f"fastpersist-cufile-{os.getuid()}.log").read_text()
+
+
+class _Loaded(Exception):
+    pass
+
+
+@pytest.fixture
+def cuda_said_usable(monkeypatch, fresh_decisions):
+    """This process as a CUDA torch sees itself (is_available True); CuFile
+    counts its loads, and raises _Loaded unless the test says otherwise."""
+    loads = []
+
+    def load(path):
+        loads.append(path)
+        raise _Loaded(path)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cufile, "CuFile", lambda path: load(path))
+    monkeypatch.setattr(cufile, "_driver", None)
+    monkeypatch.setenv("FASTPERSIST_CUFILE_LIBRARY", str(CU13_LIB))
+    return loads
+
+
+def test_auto_without_nvidia_fs_loads_nothing_of_cufile(cuda_said_usable, monkeypatch, caplog):
+    monkeypatch.setattr(cufile, "nvidia_fs_version", lambda: None)
+    caplog.set_level(logging.INFO, logger="fastpersist")
+    assert cufile.transfer_for("auto") == "bounce"
+    assert cufile.transfer_for("auto") == "bounce"
+    with pytest.raises(cufile.GdsUnavailable, match="nvidia-fs is not loaded.*allow_gds_compat"):
+        cufile.transfer_for("gds")
+    assert cuda_said_usable == []  # no dlopen, no driver open
+    said = [r.getMessage() for r in caplog.records if "transfer=auto" in r.getMessage()]
+    assert len(said) == 1 and "nvidia-fs is not loaded" in said[0] and "cuFile was not loaded" in said[0]
+
+
+def test_any_failure_to_probe_cufile_means_the_buffers_decided_once(cuda_said_usable, monkeypatch, caplog):
+    """cffi without its parser (the GPU machines' case), or anything else
+    cuFile's loading raises: auto takes the buffers, says why once and does
+    not probe again; gds is refused naming it."""
+    monkeypatch.setattr(cufile, "nvidia_fs_version", lambda: "2.26")
+    caplog.set_level(logging.INFO, logger="fastpersist")
+    for _ in range(3):
+        assert cufile.transfer_for("auto") == "bounce"
+    assert cuda_said_usable == [str(CU13_LIB)]
+    said = [r.getMessage() for r in caplog.records if "transfer=auto" in r.getMessage()]
+    assert len(said) == 1 and "cuFile could not be probed: _Loaded" in said[0]
+    with pytest.raises(cufile.GdsUnavailable, match="cuFile could not be probed: _Loaded"):
+        cufile.transfer_for("gds", allow_compat=True)
+    monkeypatch.setattr(cufile, "CuFile", lambda path: (_ for _ in ()).throw(ModuleNotFoundError("pycparser")))
+    monkeypatch.setattr(cufile, "_decided", {})
+    assert cufile.transfer_for("auto") == "bounce"
+    assert "ModuleNotFoundError: pycparser" in cufile._decided[("auto", False)][1]
