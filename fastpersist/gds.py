@@ -44,14 +44,17 @@ MIN_BYTES = 1 << 20  # a smaller middle goes through the buffers: a cuFile call 
 STAND_IN_FOR_CPU = False  # tests: CPU storages take this path, their middles moved by _HostStandIn
 
 _stats_lock = threading.Lock()
-_stats = {"files": 0, "bytes_written": 0, "bytes_read": 0, "fallbacks": collections.Counter()}
+_stats = {"files": 0, "bytes_written": 0, "bytes_read": 0, "fallbacks": collections.Counter(),
+          "device_aligned": 0, "device_unaligned": 0}
 _reported: set = set()
 
 
 def stats() -> dict:
     """What the data path did in this process: files it moved middles of,
-    bytes written and read by cuFile, and files or records that fell back to
-    the engine's buffers, by reason."""
+    bytes written and read by cuFile, files or records that fell back to
+    the engine's buffers, by reason, and how many middles began at a 4 KiB-
+    aligned device address (``device_aligned``) or not (``device_unaligned``:
+    native GDS stages those through cuFile's own buffers, slower)."""
     with _stats_lock:
         out = dict(_stats)
         out["fallbacks"] = dict(_stats["fallbacks"])
@@ -61,7 +64,8 @@ def stats() -> dict:
 
 def reset_stats() -> None:
     with _stats_lock:
-        _stats.update(files=0, bytes_written=0, bytes_read=0, fallbacks=collections.Counter())
+        _stats.update(files=0, bytes_written=0, bytes_read=0, fallbacks=collections.Counter(), device_aligned=0,
+                      device_unaligned=0)
 
 
 def _count(key: str, n: int = 1) -> None:
@@ -134,6 +138,8 @@ class DeviceFile:
     def _move(self, write: bool, tensor, offset: int) -> None:
         if not self.usable:
             raise cufile.GdsError(f"{self.path}: cuFile failed earlier in this file", reason="failed earlier")
+        # the middle is aligned in the file; in device memory it is where the tensor's bytes are
+        _count("device_aligned" if tensor.data_ptr() % ALIGNMENT == 0 else "device_unaligned")
         try:
             if self._driver is None:
                 _HostStandIn.move(self._fd, write, tensor, offset, self.path)

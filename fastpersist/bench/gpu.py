@@ -324,7 +324,9 @@ def run(args) -> int:
     if bench.gds_mode:
         echo(f"GPUDirect Storage: cuFile in {bench.gds_mode}; moved {gds_stats['bytes_written'] / GB:.2f} GB "
              f"written, {gds_stats['bytes_read'] / GB:.2f} GB read; files that fell back to the buffers: "
-             f"{gds_stats['fallbacks'] or 'none'}")
+             f"{gds_stats['fallbacks'] or 'none'}; middles at a 4 KiB-aligned device address: "
+             f"{gds_stats['device_aligned']} of {gds_stats['device_aligned'] + gds_stats['device_unaligned']}"
+             " (native GDS stages the others through cuFile's own buffers)")
     else:
         echo(f"GPUDirect Storage rows: not measured ({bench.gds_why})")
     echo(f"wall time {time.perf_counter() - started:.0f} s")
