@@ -105,8 +105,23 @@ class _Arena:
         unregister = device_io.register_host_memory(self.bytes.data_ptr(), self.size, "snapshot memory")
         if unregister is not None:
             self.registered_in = os.getpid()
+            # Page-locked pages of a private mapping are copied at fork, not shared copy-on-write: every
+            # fork-based DataLoader worker would copy the whole arena. Children never get it mapped.
+            self.memory.madvise(mmap.MADV_DONTFORK)
+            _kept_from_children.add(self)
             # holds the mapping until the unregistering is done; at exit the process takes both away
             weakref.finalize(self, _unregister_in, os.getpid(), unregister, self.memory).atexit = False
+
+    def mapped_here(self) -> bool:
+        """False in a forked child for an arena registered in an ancestor."""
+        return not self.registered_in or self.registered_in == os.getpid()
+
+
+# Arenas marked MADV_DONTFORK, weakly; in a forked child, strongly and forever (_forked_away): their
+# address range is not mapped there, and unmapping it when one is collected could unmap what the
+# child has mapped there since.
+_kept_from_children: "weakref.WeakSet[_Arena]" = weakref.WeakSet()
+_forked_away: list = []
 
 
 def _unregister_in(pid: int, unregister, _mapping) -> None:
@@ -152,7 +167,10 @@ class _SnapshotMemory:
 
     def give_back(self, arena: _Arena) -> None:
         with self.lock:
-            self.free.append(arena)
+            if arena.mapped_here():
+                self.free.append(arena)
+            else:  # an ancestor's arena, given back in a forked child (a staged tensor died there)
+                self.total -= arena.size
             self.lock.notify_all()
 
     def clear(self) -> None:
@@ -549,6 +567,7 @@ def _forget_in_child() -> None:
     Handles of the parent's unfinished saves fail in the child instead of
     blocking forever."""
     global _writer
+    _forked_away.extend(_kept_from_children)  # the child's pool is new: the parent's arenas are never reused here
     parent = _writer
     _writer = _Writer()
     for job in list(parent.pending):

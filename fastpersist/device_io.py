@@ -545,17 +545,24 @@ def _clear_cuda_error() -> None:
         runtime.cudaGetLastError()
 
 
-def _cuda_runtime():
-    """The CUDA runtime library this process has loaded (torch's), or None."""
+def _torch_cuda_library() -> Optional[str]:
+    import torch
+
+    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cuda.so")
+    return path if os.path.exists(path) else None
+
+
+def _cuda_runtime(torch_library: Optional[str] = None):
+    """The CUDA runtime torch itself calls, or None. Looked up through
+    torch's own CUDA library (dlsym from its handle searches what it was
+    linked with), not by name: a process can hold two runtimes (cupy's and
+    torch's, say), each with its own last error."""
+    torch_library = torch_library or _torch_cuda_library()
+    if torch_library is None:
+        return None
     try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "libcudart" in line}
-    except OSError:
-        paths = set()
-    for path in sorted(paths):
-        if os.path.exists(path):
-            try:
-                return ctypes.CDLL(path)
-            except OSError:
-                continue
-    return None
+        library = ctypes.CDLL(torch_library)
+        library.cudaGetLastError  # raises AttributeError where torch's runtime does not export it
+    except (OSError, AttributeError):
+        return None
+    return library

@@ -269,3 +269,31 @@ def test_a_process_without_cuda_does_not_walk_its_state(folder, monkeypatch):
     monkeypatch.setattr(_torch_api, "_worth_capturing", walk)
     fastpersist.save({"w": torch.ones(3)}, folder / "x.pt")
     assert torch.equal(torch.load(folder / "x.pt")["w"], torch.ones(3))
+
+
+def test_the_cuda_error_is_cleared_in_the_runtime_torch_calls(tmp_path):
+    """Two CUDA runtimes in one process (cupy's and torch's): the last error
+    torch would raise is the one in the runtime torch's CUDA library is
+    linked with, whichever other runtime was loaded first. Built here as
+    three small libraries: two runtimes whose cudaGetLastError says which
+    they are, and a 'torch' linked with the second."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    from fastpersist import device_io
+
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler here")
+    for name, value in (("other", 1), ("torchs", 2)):
+        (tmp_path / name).mkdir()
+        (tmp_path / f"{name}.c").write_text(f"int cudaGetLastError(void) {{ return {value}; }}\n")
+        subprocess.run(["cc", "-shared", "-fPIC", "-o", str(tmp_path / name / "libcudart.so.13"),
+                        str(tmp_path / f"{name}.c")], check=True)
+    (tmp_path / "torch.c").write_text("int cudaGetLastError(void); int torch_kernel(void) { return cudaGetLastError(); }\n")
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(tmp_path / "libtorch_cuda.so"), str(tmp_path / "torch.c"),
+                    str(tmp_path / "torchs" / "libcudart.so.13"), f"-Wl,-rpath,{tmp_path / 'torchs'}"], check=True)
+    ctypes.CDLL(str(tmp_path / "other" / "libcudart.so.13"), mode=ctypes.RTLD_GLOBAL)  # loaded first, globally
+    runtime = device_io._cuda_runtime(str(tmp_path / "libtorch_cuda.so"))
+    assert runtime is not None and runtime.cudaGetLastError() == 2
+    assert device_io._cuda_runtime(str(tmp_path / "other.c")) is None  # not a library: none, no error

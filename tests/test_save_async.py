@@ -298,3 +298,49 @@ def test_storages_copied_as_device_storages_are_into_the_snapshot(folder, monkey
     handle.wait()
     assert sorted(taken) == [3 * 7 * 2, 1000 * 8, 2_000_000 * 4]  # h, b, w: once each
     assert_state(folder / "d.pt", 4)
+
+
+def test_arenas_registered_with_cuda_are_not_mapped_in_a_forked_child(tmp_path, monkeypatch):
+    """Page-locked pages are copied at fork, not shared: an arena registered
+    with CUDA is marked MADV_DONTFORK, and a forked child neither has it
+    mapped nor reuses it (its own saves take new arenas). CUDA's register
+    call is stood in for (no GPU here); the marking is the real one."""
+    import gc
+
+    from fastpersist import async_save, device_io
+
+    from conftest import fork_child
+
+    monkeypatch.setattr(device_io, "register_host_memory", lambda address, nbytes, what: (lambda: None))
+    async_save.release_snapshot_memory()
+    pool = async_save.snapshot_memory()
+    held = [pool.take(1 << 20, 1 << 30)]  # one in use at the fork (DCP's staged tensors hold theirs)
+    held[0].register_for(torch.device("cuda"))
+    start = held[0].bytes.data_ptr()
+    held[0].bytes[:4] = 7
+
+    def mapped(address):
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                if lo <= address < hi:
+                    return True
+        return False
+
+    def in_the_child():
+        assert not mapped(start), "the registered arena is mapped in the forked child"
+        pool.give_back(held.pop())  # the staged tensors die in the child: the arena is not reused there
+        assert not pool.free
+        gc.collect()
+        # the child's own arena can be put where the parent's was: the parent's arena, collected
+        # here, must not unmap it
+        fastpersist.save_async({"x": torch.arange(1000.0)}, str(tmp_path / "child.pt")).result()
+        gc.collect()
+        for a in async_save.snapshot_memory().free:
+            assert a.mapped_here()
+            a.bytes.fill_(1)
+        assert torch.equal(torch.load(tmp_path / "child.pt")["x"], torch.arange(1000.0))
+
+    assert os.waitpid(fork_child(in_the_child), 0)[1] == 0
+    assert mapped(start) and held[0].bytes[:4].tolist() == [7, 7, 7, 7]
+    pool.give_back(held.pop())
