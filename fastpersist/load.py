@@ -203,9 +203,11 @@ def _through_buffers(image: "_CheckpointImage", map_location) -> bool:
         return False
     pickled = image.index.read_record(image.read_at, record)  # small; read again from the page cache
     if not STREAM_LOADS:
-        # None or a dict keep saved locations (perhaps renamed): a CUDA one is named in the pickle
+        # None or a dict keep saved locations (perhaps renamed): a CUDA one is named in the pickle, or
+        # the dict renames a location the pickle names to a CUDA one
         named = isinstance(map_location, (str, torch.device)) or b"cuda" in pickled or (
-            isinstance(map_location, dict) and any(str(v).startswith("cuda") for v in map_location.values()))
+            isinstance(map_location, dict) and any(str(v).startswith("cuda") and str(k).encode() in pickled
+                                                   for k, v in map_location.items()))
         if not (named and torch.cuda.is_available()):
             return False
     return not _torch_api.pickle_reads_map_location(pickled) and _file_byte_order(image) == sys.byteorder

@@ -94,16 +94,28 @@ def test_a_load_hands_its_engine_back_only_once_its_copies_are_done(tmp_path):
     expected = torch.arange(1 << 18, dtype=torch.float32)
     path = tmp_path / "small.pt"
     fastpersist.save({"x": expected}, path, max_engines=1, **BUFFERS)
-    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued ahead of the load's copies
-    loaded = fastpersist.load(path, map_location="cuda", max_engines=1, **BUFFERS)
-    fastpersist.save({"y": torch.full((1 << 18,), -1.0)}, tmp_path / "other.pt", max_engines=1, **BUFFERS)
+    fastpersist.patch(max_engines=1, **BUFFERS)  # load options (fastpersist.load has torch.load's arguments)
+    try:
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued ahead of the load's copies
+        loaded = fastpersist.load(path, map_location="cuda")
+        fastpersist.save({"y": torch.full((1 << 18,), -1.0)}, tmp_path / "other.pt")
+    finally:
+        fastpersist.unpatch()
     assert torch.equal(loaded["x"].cpu(), expected)
 
 def test_tensors_changed_after_save_async_returns_do_not_reach_the_file(tmp_path):
+    """The snapshot is complete when save_async returns, whatever stream
+    changes the tensors next: here one that does not wait for the current
+    stream, which is kept busy so that a snapshot copy merely queued there
+    would run after the change."""
     x = torch.ones(16 << 20, device="cuda")
+    other = torch.cuda.Stream()
+    torch.cuda._sleep(200_000_000)
     handle = fastpersist.save_async({"x": x}, tmp_path / "a.pt")
-    x.mul_(5)  # training goes on
+    with torch.cuda.stream(other):
+        x.mul_(5)  # training goes on, on its own stream
     handle.result()
+    torch.cuda.synchronize()
     assert torch.all(torch.load(tmp_path / "a.pt")["x"] == 1.0)
 
 
@@ -197,37 +209,99 @@ def test_host_memory_of_a_dcp_save_of_gpu_state_stays_within_the_buffers(tmp_pat
     assert all(torch.equal(target[k], state[k]) for k in state)
 
 
-def test_a_forked_child_does_not_touch_the_registration(tmp_path):
+class _RecordedCudart:
+    """torch.cuda.cudart() with its host (un)registrations recorded, as
+    (pid, call, address) lines in a file: a forked child's calls too."""
+
+    def __init__(self, real, record):
+        self._real, self._record = real, record
+
+    def __getattr__(self, name):
+        call = getattr(self._real, name)
+        if name not in ("cudaHostRegister", "cudaHostUnregister"):
+            return call
+
+        def recorded(address, *args):
+            with open(self._record, "a") as f:
+                f.write(f"{os.getpid()} {name} {int(address)}\n")
+            return call(address, *args)
+
+        return recorded
+
+
+@pytest.fixture
+def cuda_calls(tmp_path, monkeypatch):
+    """The (pid, call, address) host (un)registrations made from here on."""
+    record = tmp_path / "cudart-calls"
+    record.touch()
+    real = torch.cuda.cudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: _RecordedCudart(real, record))
+
+    def calls():
+        return [(int(p), c, int(a)) for p, c, a in (line.split() for line in record.read_text().splitlines())]
+
+    return calls
+
+
+def test_a_forked_child_does_not_touch_the_registration(tmp_path, cuda_calls):
+    """A child dropping its copy of a registered engine calls no CUDA (its
+    buffers are not even mapped there); the parent unregisters them once."""
+    import gc
+
+    _engine.clear_pool()  # a new engine, registered through the recorded binding
+    gc.collect()
     held = [_engine.acquire(Options(**BUFFERS))]  # the only reference: the child can drop its copy
     assert device_io.register_buffers(held[0])
+    address = held[0].buffer_region()[0]
+    assert (os.getpid(), "cudaHostRegister", address) in cuda_calls()
 
-    def drop_the_engine():  # the child drops its copy of the engine: no cudaHostUnregister there
-        import gc
-
+    def drop_the_engine():
         held.clear()
         gc.collect()
 
-    assert os.waitpid(fork_child(drop_the_engine), 0)[1] == 0
+    child = fork_child(drop_the_engine)
+    assert os.waitpid(child, 0)[1] == 0
+    assert [c for c in cuda_calls() if c[0] == child] == []
     _engine.release(held.pop())
+    _engine.clear_pool()
+    gc.collect()
+    assert (os.getpid(), "cudaHostUnregister", address) in cuda_calls()
     x = torch.ones(4 << 20, device="cuda")
-    fastpersist.save({"x": x}, tmp_path / "f.pt", **BUFFERS)  # the parent's registration still works
+    fastpersist.save({"x": x}, tmp_path / "f.pt", **BUFFERS)  # registrations still work
     assert torch.equal(torch.load(tmp_path / "f.pt")["x"], x)
 
 
-def test_snapshot_memory_of_gpu_state_is_registered_and_unregistered(tmp_path):
+def test_a_refused_registration_leaves_no_cuda_error_for_torch(tmp_path):
+    """cudaHostRegister of memory already registered fails; its error must
+    not be raised by torch's next kernel launch."""
+    engine = _engine.acquire(Options(**BUFFERS))
+    try:
+        assert device_io.register_buffers(engine)
+        assert device_io.register_host_memory(*engine.buffer_region(), "a second registration") is None
+        y = torch.ones(1000, device="cuda") * 2  # launch check: cudaGetLastError
+        torch.cuda.synchronize()
+        assert float(y.sum()) == 2000.0
+    finally:
+        _engine.release(engine)
+
+
+def test_snapshot_memory_of_gpu_state_is_registered_and_unregistered(tmp_path, cuda_calls):
     """save_async and the DCP stager copy GPU tensors into snapshot memory
     registered with CUDA (reported pinned); a forked child collecting its
-    copy of an arena leaves CUDA alone, and the parent's arena is
-    unregistered when it goes (a new registration of the range works)."""
+    copy of an arena calls no CUDA, and the parent unregisters each arena
+    once, when it goes."""
     import gc
 
     from fastpersist import async_save, dcp as fp_dcp
 
     async_save.release_snapshot_memory()
+    gc.collect()
     x = torch.randn(8 << 20, device="cuda")
     fastpersist.save_async({"x": x}, tmp_path / "a.pt").result()
     arenas = list(async_save.snapshot_memory().free)
     assert arenas and all(a.bytes.is_pinned() for a in arenas)
+    registered = {a.bytes.data_ptr() for a in arenas}
+    assert registered <= {addr for _, c, addr in cuda_calls() if c == "cudaHostRegister"}
     staged = fp_dcp.stage_state_dict({"x": x}, Options())
     assert staged["x"].is_pinned() and torch.equal(staged["x"], x.cpu())
     del staged
@@ -237,10 +311,14 @@ def test_snapshot_memory_of_gpu_state_is_registered_and_unregistered(tmp_path):
         async_save.release_snapshot_memory()
         gc.collect()
 
-    assert os.waitpid(fork_child(free_the_arenas), 0)[1] == 0
+    child = fork_child(free_the_arenas)
+    assert os.waitpid(child, 0)[1] == 0
+    assert [c for c in cuda_calls() if c[0] == child] == []
     del arenas
     async_save.release_snapshot_memory()
     gc.collect()
+    unregistered = [addr for pid, c, addr in cuda_calls() if c == "cudaHostUnregister" and pid == os.getpid()]
+    assert registered <= set(unregistered) and len(unregistered) == len(set(unregistered))
     fastpersist.save_async({"x": x}, tmp_path / "b.pt").result()  # new arenas register again
     assert all(a.bytes.is_pinned() for a in async_save.snapshot_memory().free)
     assert torch.equal(torch.load(tmp_path / "b.pt")["x"], x)
@@ -325,10 +403,19 @@ def test_a_gds_save_is_the_bounce_save_byte_for_byte(tmp_path, gds_here, monkeyp
 
 
 def test_a_gds_save_waits_for_kernels_still_queued(tmp_path, gds_here):
+    """Records aligned to 4 KiB in the file: the whole record is one cuFile
+    middle, no head goes through the buffers (whose copy would wait for the
+    stream anyway), so only the data path's own synchronize orders cuFile
+    after the fill still queued."""
+    from conftest import torch_save_setting
+    from fastpersist import gds
+
     x = torch.zeros(64 << 20, device="cuda")
-    torch.cuda._sleep(200_000_000)
-    x.fill_(3.0)
-    fastpersist.save({"x": x}, tmp_path / "k.pt", **BUFFERS, **GDS)
+    with torch_save_setting("storage_alignment", 4096):
+        torch.cuda._sleep(200_000_000)
+        x.fill_(3.0)
+        fastpersist.save({"x": x}, tmp_path / "k.pt", **BUFFERS, **GDS)
+    assert gds.stats()["bytes_written"] == x.nbytes
     assert torch.all(torch.load(tmp_path / "k.pt")["x"] == 3.0)
 
 

@@ -282,8 +282,11 @@ def test_what_takes_the_path_through_buffers(tmp_path, through_buffers):
     assert not _torch_api.pickle_reads_map_location(path.read_bytes())
     load_module.STREAM_LOADS = False
     fastpersist.load(path)
-    fastpersist.load(path, map_location={"cuda:0": "cuda:0"})  # no CUDA location in the file
+    fastpersist.load(path, map_location={"cuda:0": "cuda:0"})  # no CUDA location in the file, with CUDA or not
     assert through_buffers == []
+    if torch.cuda.is_available():
+        fastpersist.load(path, map_location={"cpu": "cuda:0"})  # the file's location, renamed to a CUDA one
+        assert len(through_buffers) == 1
 
 
 def test_restore_targets_follow_torch():
