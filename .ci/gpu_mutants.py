@@ -1,0 +1,70 @@
+"""Each GPU test that names a mechanism must fail where that mechanism is
+disabled: for each (what, file, text, replacement[, file, text,
+replacement...], test) below, a copy of the tree with those edits runs that
+one test, which must fail ("killed").
+Run on the GPU machine by `bash .ci/gpu run mutants`; exits 1 where a
+test survives its mutant or a mutant no longer applies."""
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+MUTANTS = [
+    ("the GDS data path synchronizes the current stream before cuFile",
+     "fastpersist/gds.py", "torch.cuda.current_stream(tensor.device).synchronize()", "pass",
+     "tests/test_gpu.py::test_a_gds_save_waits_for_kernels_still_queued"),
+    ("save_async's device copy is complete when it returns",
+     "fastpersist/async_save.py", "self.arena.bytes[offset:offset + nbytes].copy_(_as_bytes(storage))",
+     "self.arena.bytes[offset:offset + nbytes].copy_(_as_bytes(storage), non_blocking=True)",
+     "tests/test_gpu.py::test_tensors_changed_after_save_async_returns_do_not_reach_the_file"),
+    ("a forked child runs no engine destroy hook (no cudaHostUnregister there)",
+     "fastpersist/_engine.py", "if os.getpid() == creator:", "if True:",
+     "tests/test_gpu.py::test_a_forked_child_does_not_touch_the_registration"),
+    ("a forked child never unregisters an arena (nor collects one)",
+     "fastpersist/async_save.py", "    if os.getpid() == pid:\n        unregister()", "    unregister()",
+     "fastpersist/async_save.py", "    _forked_away.extend(_kept_from_children)", "    pass",
+     "tests/test_gpu.py::test_snapshot_memory_of_gpu_state_is_registered_and_unregistered"),
+    ("a refused registration's CUDA error is cleared",
+     "fastpersist/device_io.py", "        _clear_cuda_error()\n        _report_refusal(", "        _report_refusal(",
+     "tests/test_gpu.py::test_a_refused_registration_leaves_no_cuda_error_for_torch"),
+]
+
+
+def main() -> int:
+    failures = 0
+    for what, *edits, test in MUTANTS:
+        with tempfile.TemporaryDirectory() as copy:
+            for part in ("fastpersist", "tests"):
+                shutil.copytree(os.path.join(ROOT, part), os.path.join(copy, part),
+                                ignore=shutil.ignore_patterns("__pycache__"))
+            applied = True
+            for path, text, replacement in zip(edits[0::3], edits[1::3], edits[2::3]):
+                target = os.path.join(copy, path)
+                with open(target) as f:
+                    source = f.read()
+                if source.count(text) != 1:
+                    print(f"NOT APPLIED ({source.count(text)} matches of {text!r}): {what}", flush=True)
+                    applied = False
+                    break
+                with open(target, "w") as f:
+                    f.write(source.replace(text, replacement))
+            if not applied:
+                failures += 1
+                continue
+            env = dict(os.environ, FASTPERSIST_AUTOPATCH="0",
+                       PYTHONPATH=os.pathsep.join([copy] + [p for p in os.environ.get("PYTHONPATH", "").split(
+                           os.pathsep) if p and os.path.abspath(p) != ROOT]))
+            out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test],
+                                 cwd=copy, env=env, capture_output=True, text=True, timeout=120)
+            tail = (out.stdout.strip().splitlines() or [""])[-1]
+            killed = out.returncode == 1  # a test failed (2+: collection or usage errors prove nothing)
+            print(f"{'killed' if killed else 'SURVIVED'}: {what} -> {test}: {tail}", flush=True)
+            failures += not killed
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
