@@ -520,7 +520,10 @@ def register_host_memory(address: int, nbytes: int, what: str) -> Optional[Calla
         return None
 
     def unregister() -> None:
-        rc = int(cudart.cudaHostUnregister(address))
+        try:
+            rc = int(cudart.cudaHostUnregister(address))
+        except Exception:  # at exit, torch's binding can be torn down before the memory: the process takes both
+            return
         if rc != 0:  # at exit, CUDA may be gone before the memory: nothing left to undo then
             _clear_cuda_error()
             log.debug("fastpersist: cudaHostUnregister of %s failed (CUDA error %d)", what, rc)
