@@ -487,6 +487,16 @@ def lazy_or_meta_load(map_location, mmap) -> bool:
             or torch._guards.detect_fake_mode(None) is not None)
 
 
+def tensor_metadata(tensor) -> dict:
+    """The bits a tensor's data is read through (torch 2.13: ``neg``,
+    ``conj``), as torch.save records them; torch.load sets them back."""
+    return torch._utils.get_tensor_metadata(tensor)
+
+
+def set_tensor_metadata(tensor, metadata: dict) -> None:
+    torch._utils.set_tensor_metadata(tensor, metadata)
+
+
 def checkpoint_offset(storage):
     """Where a storage's bytes start in the file, as torch's meta-device load
     records it (``map_location="meta"`` reads no data), or None."""

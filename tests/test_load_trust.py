@@ -108,16 +108,23 @@ def outcome(load):
         return "refused", exc
 
 
-def same_values(a, b) -> bool:
+def same_values(a, b, seen=None) -> bool:
+    """Equal structure and values; shared and cyclic containers compared once."""
     if isinstance(a, torch.Tensor):
         return (type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
                 and a.is_neg() == b.is_neg() and a.is_conj() == b.is_conj() and a.requires_grad == b.requires_grad
                 and torch.equal(a.resolve_neg().resolve_conj(), b.resolve_neg().resolve_conj()))
-    if isinstance(a, dict):
-        return (type(a) is type(b) and len(a) == len(b) and same_values(list(a.items()), list(b.items()))
-                and (not hasattr(a, "__dict__") or same_values(vars(a), vars(b))))
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(same_values(x, y) for x, y in zip(a, b))
+    if isinstance(a, (dict, list, tuple)):
+        seen = set() if seen is None else seen
+        if (id(a), id(b)) in seen:
+            return True
+        seen.add((id(a), id(b)))
+        if type(a) is not type(b) or len(a) != len(b):
+            return False
+        if isinstance(a, dict):
+            return (same_values(list(a.items()), list(b.items()), seen)
+                    and (not hasattr(a, "__dict__") or same_values(vars(a), vars(b), seen)))
+        return all(same_values(x, y, seen) for x, y in zip(a, b))
     return type(a) is type(b) and (a == b or a != a and b != b)
 
 
@@ -344,3 +351,87 @@ def test_many_additems_on_a_broadcast_tensor_are_refused_quickly(folder):
     started = time.monotonic()
     assert check_case(folder, pickled) == "refused"
     assert time.monotonic() - started < 10
+
+
+# -- load_into -------------------------------------------------------------------------
+
+
+def test_load_into_applies_neg_and_conj_bits_as_load_state_dict_does(folder):
+    """torch.save records a neg or conj view's bits, not resolved data:
+    load_into copied the raw bytes (x for -x, z for conj(z))."""
+    x = torch.arange(1.0, 7.0).reshape(2, 3)
+    z = torch.tensor([1 + 2j, 3 - 1j, -2 + 0.5j])
+    saved = {"neg": x._neg_view(), "conj": z.conj(), "neg_conj": z.conj()._neg_view(), "plain": x}
+    original_save()(saved, folder / "bits.pt")
+
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            for k, v in saved.items():
+                self.register_buffer(k, torch.zeros_like(v.resolve_conj().resolve_neg()))
+
+    expected = Holder()
+    expected.load_state_dict(original_load()(folder / "bits.pt"))
+    for target in (Holder(), {k: torch.zeros_like(v) for k, v in expected.state_dict().items()}):
+        fastpersist.load_into(target, folder / "bits.pt")
+        got = target.state_dict() if isinstance(target, torch.nn.Module) else target
+        for k, v in expected.state_dict().items():
+            assert torch.equal(got[k], v), k
+    assert torch.equal(expected.neg, -x) and torch.equal(expected.conj, z.conj().resolve_conj())
+
+
+def nested_shared(depth: int, leaf):
+    node = leaf
+    for _ in range(depth):
+        node = {"a": node, "b": node}
+    return node
+
+
+def test_load_into_refuses_shared_containers_that_expand_past_the_file(folder):
+    """{"a": D, "b": D} nested 40 deep: 2**40 key paths (torch.load reads it
+    in milliseconds); load_into walked every one until memory ran out."""
+    original_save()({"x": torch.zeros(4), "d": nested_shared(40, {"t": torch.ones(2)})}, folder / "dag.pt")
+    assert original_load()(folder / "dag.pt")["x"].shape == (4,)
+    target = {"x": torch.zeros(4)}
+    started = time.monotonic()
+    with pytest.raises(fastpersist.CheckpointError, match="shared containers expand"):
+        fastpersist.load_into(target, folder / "dag.pt", strict=False)
+    assert time.monotonic() - started < 10
+    assert torch.equal(target["x"], torch.zeros(4))
+
+
+def test_load_into_fills_every_key_of_a_shared_container(folder):
+    """Sharing within bounds keeps its meaning: each key path gets its leaf."""
+    sd = {"w": torch.arange(3.0), "b": torch.tensor([5.0])}
+    original_save()({"model": sd, "ema": sd, "deep": nested_shared(3, sd)}, folder / "shared.pt")
+    target = {"model": {"w": torch.zeros(3), "b": torch.zeros(1)}, "ema": {"w": torch.zeros(3), "b": torch.zeros(1)},
+              "deep": nested_shared(3, {"w": torch.zeros(3), "b": torch.zeros(1)})}
+    fastpersist.load_into(target, folder / "shared.pt")
+    assert torch.equal(target["ema"]["w"], sd["w"]) and torch.equal(target["deep"]["a"]["b"]["a"]["b"], sd["b"])
+
+
+def test_load_into_looks_at_shared_tuples_once(folder):
+    """(v, v) nested 100 deep: _holds_tensors walked all 2**100 paths to
+    find no tensor. Looked at once each, the value is restored as it is."""
+    value = 1
+    for _ in range(100):
+        value = (value, value)
+    original_save()({"x": torch.zeros(4), "pair": value}, folder / "pairs.pt")
+    target = {"x": torch.zeros(4), "pair": None}
+    started = time.monotonic()
+    fastpersist.load_into(target, folder / "pairs.pt")
+    assert time.monotonic() - started < 10
+    got = target["pair"]
+    for _ in range(100):  # (== would compare all 2**100 paths)
+        assert type(got) is tuple and got[0] is got[1]
+        got = got[0]
+    assert got == 1
+
+
+def test_load_into_refuses_a_container_holding_itself(folder):
+    pickled = program(pickle.EMPTY_DICT + pickle.BINPUT + b"\x00" + text("self") + pickle.BINGET + b"\x00"
+                      + pickle.SETITEM)
+    write_archive(folder / "cycle.pt", pickled)
+    assert check_case(folder, pickled) == "loaded"
+    with pytest.raises(fastpersist.CheckpointError, match="holds itself"):
+        fastpersist.load_into({"self": {}}, folder / "cycle.pt")
