@@ -18,6 +18,8 @@ from typing import Callable, Optional
 import torch
 import torch.serialization as _ts
 
+from . import _state_pickle
+
 DEFAULT_PROTOCOL: int = _ts.DEFAULT_PROTOCOL
 
 
@@ -286,8 +288,13 @@ class _PlainStateUnpickler(pickle.Unpickler):
     allows each of them."""
 
     def __init__(self, file, *, encoding: str = "bytes"):  # the signature of torch's weights-only Unpickler
-        if file.read(2) != b"\x80\x02":  # torch saves protocol 2; torch warns on others: let it
-            raise _NeedsTorchUnpickler("not pickle protocol 2")
+        # Restricting globals is not enough: the C unpickler runs opcodes
+        # and object operations torch's refuses (BUILD on a function sets its
+        # __defaults__ for the whole process). Only a pickle shaped as
+        # torch.save writes state dicts goes on; see _state_pickle.
+        pickled = file.getvalue() if isinstance(file, io.BytesIO) else file.read()
+        if not _state_pickle.admits(pickled):
+            raise _NeedsTorchUnpickler("not a state dict pickle the C unpickler may take")
         file.seek(0)
         super().__init__(file, encoding=encoding)
 
@@ -478,6 +485,16 @@ def lazy_or_meta_load(map_location, mmap) -> bool:
         mmap = config.load.mmap
     return (bool(mmap) or _ts._is_meta_location(map_location) or _ts._serialization_tls.skip_data
             or torch._guards.detect_fake_mode(None) is not None)
+
+
+def tensor_metadata(tensor) -> dict:
+    """The bits a tensor's data is read through (torch 2.13: ``neg``,
+    ``conj``), as torch.save records them; torch.load sets them back."""
+    return torch._utils.get_tensor_metadata(tensor)
+
+
+def set_tensor_metadata(tensor, metadata: dict) -> None:
+    torch._utils.set_tensor_metadata(tensor, metadata)
 
 
 def checkpoint_offset(storage):

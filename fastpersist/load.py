@@ -404,6 +404,10 @@ class _CheckpointImage:
             self._reading.join()
             self._reading = None
 
+    def pickle_size(self) -> int:
+        r = self.index.lookup("data.pkl")
+        return 0 if r is None else r.size
+
     def prefetch_pickle(self) -> None:
         """Brings data.pkl and what lies just past it (torch's small records)
         into the page cache."""
@@ -767,11 +771,18 @@ def _fill(image: _CheckpointImage, target, is_module: bool, strict: bool, verify
         reader = _NativeOrderReader(image.index, image.read_at, source=image.path)
         stored = _layout(image, reader, weights_only, ahead)
         if is_module:  # a module's keys are already dotted paths: match them as single keys
-            stored_flat = {(_key(k),): v for k, v in _flatten(stored, "state dict").items()}
             target_flat = {(k,): v for k, v in target.state_dict(keep_vars=True).items()}
         else:
-            stored_flat = _flatten(stored, "checkpoint")
             target_flat = _flatten(target, "target")
+        # a tree-shaped pickle holds fewer leaves than bytes: more keys than
+        # that and the target's come from shared containers nested in each other
+        try:
+            stored_flat = _flatten(stored, "state dict" if is_module else "checkpoint",
+                                   len(target_flat) + image.pickle_size())
+        except ValueError as exc:
+            raise CheckpointError(f"{image.path}: {exc}") from None
+        if is_module:
+            stored_flat = {(_key(k),): v for k, v in stored_flat.items()}
         unchecked = ahead is not None and ahead.unchecked
         plan = _plan(image, stored_flat, target_flat, strict, is_module, target,
                      reader.guessed_records() if unchecked else image.index.by_data_offset())
@@ -867,35 +878,55 @@ def _key(path: tuple) -> str:
     return ".".join(map(str, path))
 
 
-def _flatten(obj, what: str) -> dict:
+def _flatten(obj, what: str, limit: Optional[int] = None) -> dict:
     """A state dict -> {key path: leaf}, through nested dicts and non-empty
-    lists (items keyed by their index); tensors and other values are leaves."""
+    lists (items keyed by their index); tensors and other values are leaves.
+
+    A container met again under another key (shared, as in {"a": D, "b": D})
+    is walked again: each key path gets its leaf. Nested sharing multiplies
+    the paths (20 levels of {"a": D, "b": D} hold 2**20); past ``limit``
+    paths load_into refuses the object rather than exhaust memory. Cycles
+    are refused."""
     if not isinstance(obj, Mapping):
         raise TypeError(f"the {what} holds a {type(obj).__name__}, not a state dict")
     flat: dict = {}
+    on_path: set = set()  # ids of the containers being walked: a cycle's
 
     def walk(container, prefix: tuple) -> None:
+        on_path.add(id(container))
         for k, v in (container.items() if isinstance(container, Mapping) else enumerate(container)):
             if isinstance(v, Mapping) or (isinstance(v, list) and v):
+                if id(v) in on_path:
+                    raise ValueError(f"the {what} holds itself at {_key(prefix + (k,))}: load_into reads trees")
                 walk(v, prefix + (k,))
             else:
                 flat[prefix + (k,)] = v
+                if limit is not None and len(flat) > limit:
+                    raise ValueError(f"the {what}'s shared containers expand to more than {limit} keys: "
+                                     "load_into reads state dicts (fastpersist.load reads any object)")
+        on_path.discard(id(container))
 
     walk(obj, ())
     return flat
 
 
-def _holds_tensors(value) -> bool:
-    """A value that load_into would have to rebuild rather than fill in place."""
+def _holds_tensors(value, known: Optional[dict] = None) -> bool:
+    """A value that load_into would have to rebuild rather than fill in
+    place. known: {id: answer} for containers already looked at, shared
+    across calls (a container shared at every level is looked at once)."""
     import torch
 
     if isinstance(value, torch.Tensor):
         return True
-    if isinstance(value, (tuple, list, set, frozenset)):
-        return any(_holds_tensors(v) for v in value)
-    if isinstance(value, Mapping):
-        return any(_holds_tensors(v) for v in value.values())
-    return False
+    if not isinstance(value, (tuple, list, set, frozenset, Mapping)):
+        return False
+    known = {} if known is None else known
+    answer = known.get(id(value))
+    if answer is None:
+        known[id(value)] = False  # a cycle holds what its other items hold
+        items = value.values() if isinstance(value, Mapping) else value
+        answer = known[id(value)] = any(_holds_tensors(v, known) for v in items)
+    return answer
 
 
 class _Plan:
@@ -958,6 +989,9 @@ class _Plan:
                     swapped.add((offset, nbytes))
                 view = torch.empty(0, dtype=meta.dtype, device=storage.device).set_(
                     storage, meta.storage_offset(), meta.shape, meta.stride())
+                metadata = _torch_api.tensor_metadata(meta)
+                if metadata:  # neg/conj bits: copy_ resolves them, as load_state_dict(torch.load(...)) does
+                    _torch_api.set_tensor_metadata(view, metadata)
                 dst.copy_(view)
             for _, _, dst in self.direct:
                 torch.autograd.graph.increment_version(dst)  # like an in-place copy_
@@ -1019,6 +1053,7 @@ def _plan(image: _CheckpointImage, stored: dict, target: dict, strict: bool, is_
     plan.missing = [_key(k) for k in target if k not in stored]
     plan.unexpected = [_key(k) for k in stored if k not in target]
     errors = []
+    looked_at: dict = {}  # _holds_tensors' answers by container id
     for path, value in stored.items():
         if path not in target:
             continue
@@ -1030,7 +1065,7 @@ def _plan(image: _CheckpointImage, stored: dict, target: dict, strict: bool, is_
             elif is_module:
                 errors.append(f'"{name}" holds a {type(value).__name__}, not a tensor; load_into restores tensors '
                               "(use load_state_dict for modules with extra state).")
-            elif _holds_tensors(value):
+            elif _holds_tensors(value, looked_at):
                 # the layout pass sees its tensors as meta tensors: storing it would lose their data
                 errors.append(f'"{name}" is a {type(value).__name__} holding tensors; load_into restores tensors '
                               "in dicts and lists (use fastpersist.load for other containers).")
@@ -1063,7 +1098,8 @@ def _plan(image: _CheckpointImage, stored: dict, target: dict, strict: bool, is_
             # torch.load checks the first too; the second guards the pickle's view of the storage
             raise CheckpointError(f"{image.path}: the tensor '{name}' needs {max(needed, storage.nbytes())} bytes "
                                   f"of record '{record.name}', which holds {record.size}; the file is corrupt")
-        if value.is_contiguous() and dst.is_contiguous() and dst.device.type in ("cpu", "cuda") and not plan.swap:
+        if (value.is_contiguous() and dst.is_contiguous() and dst.device.type in ("cpu", "cuda") and not plan.swap
+                and not _torch_api.tensor_metadata(value)):  # bytes read through neg/conj bits: staged
             start = offset + value.storage_offset() * item
             plan.direct.append((start, value.numel() * item, dst))
         else:
