@@ -31,7 +31,7 @@ deps:
 		|| $(PIP) install -q torch==$(TORCH_VERSION)
 	$(PIP) install -q "cffi>=1.15" "setuptools>=64" wheel "pytest>=7" numpy hypothesis tqdm matplotlib pytest-benchmark
 	@# the frameworks the integrations' tests run for real; torch is already there, so none pulls CUDA
-	$(PIP) install -q "lightning>=2.1" "transformers>=4.40" "accelerate>=0.26" "deepspeed>=0.16"
+	$(PIP) install -q "lightning>=2.1" "transformers>=4.40" "accelerate>=0.26" "deepspeed>=0.16" "peft>=0.13"
 	@# cuFile as the nvidia-cufile wheels ship it (CUDA 12 and 13), for tests/test_cufile.py: unpacked
 	@# into .test-deps/, not installed, so the CPU install stays free of CUDA packages
 	@[ -f .test-deps/cufile-cu12/nvidia/cufile/lib/libcufile.so.0 ] || \

@@ -137,6 +137,7 @@ def gather_info(folder: str) -> dict:
         # what `import fastpersist` does in a program run with this environment
         # (this command's own patching says nothing about another process)
         "autopatch_on_import": fastpersist.autopatch_enabled(),
+        "safetensors_routed_on_import": _safetensors_routed_on_import(),
         "source_patch_applied": _torch_api.source_patch_applied(),
         "folder": folder,
         "o_direct": probe_o_direct(folder),
@@ -145,6 +146,19 @@ def gather_info(folder: str) -> dict:
         "cufile": gds,
         "transfer": _transfer_choice(defaults, gds, cuda["available"]),
     }
+
+
+def _safetensors_routed_on_import() -> str:
+    """Whether `import fastpersist` routes safetensors' file functions, and why not."""
+    import importlib.util
+
+    if importlib.util.find_spec("safetensors") is None:
+        return "no (safetensors is not installed)"
+    if not fastpersist.autopatch_enabled():
+        return "no (FASTPERSIST_AUTOPATCH)"
+    if os.environ.get("FASTPERSIST_SAFETENSORS", "1").strip().lower() in ("0", "false", "no", "off"):
+        return "no (FASTPERSIST_SAFETENSORS)"
+    return "yes"
 
 
 def _transfer_choice(defaults: dict, gds: dict, cuda_available: bool) -> dict:
@@ -212,6 +226,7 @@ def format_info(info: dict) -> list[str]:
     rows.append(("default options", _format_options(info["default_options"])))
     rows.append(("import patches torch", _yes_no(info["autopatch_on_import"])
                  + ("" if info["autopatch_on_import"] else " (FASTPERSIST_AUTOPATCH)")))
+    rows.append(("import routes safetensors", info["safetensors_routed_on_import"]))
     rows.append(("source patch applied", _yes_no(info["source_patch_applied"])))
     rows.append(("folder", info["folder"]))
     rows.append(("O_DIRECT", info["o_direct"]))

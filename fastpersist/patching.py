@@ -1,9 +1,13 @@
-"""Routes torch.save and torch.load through fastpersist: patch(), unpatch(), is_patched()."""
+"""Routes torch.save and torch.load (and safetensors' file functions)
+through fastpersist: patch(), unpatch(), is_patched()."""
 from __future__ import annotations
 
 import functools
+import os
 import pickle
+import sys
 import threading
+from typing import Optional
 
 import torch
 import torch.serialization
@@ -16,7 +20,8 @@ _lock = threading.RLock()
 _original_save = original_save()
 _original_load = original_load()
 
-__all__ = ["current_options", "is_patched", "original_load", "original_save", "patch", "unpatch"]
+__all__ = ["current_options", "is_patched", "original_load", "original_save", "patch", "safetensors_patched",
+           "unpatch"]
 
 
 @functools.wraps(_original_save)
@@ -40,25 +45,36 @@ def _fast_load(f, map_location=None, pickle_module=None, *, weights_only=None, m
 _fast_load.__fastpersist__ = True
 
 
-def patch(**options) -> None:
+def patch(*, safetensors: Optional[bool] = None, **options) -> None:
     """Makes torch.save and torch.load (and their torch.serialization names)
-    write and read through fastpersist.
+    write and read through fastpersist; and, where safetensors is installed,
+    ``safetensors.torch.save_file``, ``load_file`` and ``safe_open``
+    (fastpersist.safetensors), wherever a module imported before this call
+    bound them to its own names (as transformers and accelerate do).
 
     ``options`` (see :class:`fastpersist.Options`) become the defaults of
     every patched save and load; unset ones come from ``FASTPERSIST_*`` variables.
+    ``safetensors``: route safetensors too (default: FASTPERSIST_SAFETENSORS, on).
     Calling it again replaces the options; it is harmless to call twice.
     """
     opts = from_environment().replace(**options)  # raises on bad options before changing anything
+    if safetensors is None:
+        safetensors = os.environ.get("FASTPERSIST_SAFETENSORS", "1").strip().lower() not in ("0", "false", "no", "off")
     with _lock:
         _options.set_patched_options(opts)
         torch.save = _fast_save
         torch.serialization.save = _fast_save
         torch.load = _fast_load
         torch.serialization.load = _fast_load
+        if safetensors:
+            _route_safetensors()
+        else:
+            _restore_safetensors()
 
 
 def unpatch() -> None:
-    """Restores the original torch.save and torch.load; harmless when not patched."""
+    """Restores the original torch.save and torch.load (and safetensors'
+    functions); harmless when not patched."""
     with _lock:
         _options.set_patched_options(None)
         if torch.save is _fast_save:
@@ -69,8 +85,63 @@ def unpatch() -> None:
             torch.load = _original_load
         if torch.serialization.load is _fast_load:
             torch.serialization.load = _original_load
+        _restore_safetensors()
 
 
 def is_patched() -> bool:
     return (torch.save is _fast_save and torch.serialization.save is _fast_save
             and torch.load is _fast_load and torch.serialization.load is _fast_load)
+
+
+# ---------------------------------------------------------------------------
+# safetensors
+
+_routed: list = []  # (module, name, original, replacement) for every name patch() rebound
+
+
+def _safetensors_replacements() -> dict:
+    """{id(original): (original, replacement)}; {} without safetensors."""
+    try:
+        import safetensors
+        import safetensors.torch as reference
+    except ImportError:
+        return {}
+    from . import safetensors as fast
+
+    pairs = [(getattr(reference, "_fastpersist_original_save_file", reference.save_file), fast.save_file),
+             (getattr(reference, "_fastpersist_original_load_file", reference.load_file), fast.load_file),
+             (getattr(safetensors, "_fastpersist_original_safe_open", safetensors.safe_open), fast.safe_open)]
+    reference._fastpersist_original_save_file = pairs[0][0]
+    reference._fastpersist_original_load_file = pairs[1][0]
+    safetensors._fastpersist_original_safe_open = pairs[2][0]
+    return {id(original): (original, replacement) for original, replacement in pairs}
+
+
+def _route_safetensors() -> None:
+    """Rebinds safetensors' save_file, load_file and safe_open to
+    fastpersist's in every loaded module that holds them, safetensors'
+    own modules among them (modules imported later take them from there)."""
+    replacements = _safetensors_replacements()
+    if not replacements or _routed:
+        return
+    for module in list(sys.modules.values()):
+        names = getattr(module, "__dict__", None)
+        if not isinstance(names, dict) or getattr(module, "__name__", "").startswith("fastpersist"):
+            continue
+        for name, value in list(names.items()):
+            found = replacements.get(id(value))
+            if found is not None and value is found[0]:
+                names[name] = found[1]
+                _routed.append((module, name, found[0], found[1]))
+
+
+def _restore_safetensors() -> None:
+    while _routed:
+        module, name, original, replacement = _routed.pop()
+        if module.__dict__.get(name) is replacement:
+            module.__dict__[name] = original
+
+
+def safetensors_patched() -> bool:
+    """Whether safetensors' file functions go through fastpersist."""
+    return bool(_routed)

@@ -560,3 +560,28 @@ def test_a_group_save_of_gpu_state(tmp_path):
 
         assert named(a) == named(b)
     same(group_state(), torch.load(tmp_path / "ckpt.pt", weights_only=False))
+
+
+# ---------------------------------------------------------------------------
+# safetensors files of GPU state
+
+
+def test_safetensors_of_gpu_tensors_are_safetensors_bytes_and_load_to_the_gpu(tmp_path):
+    """save_file streams GPU tensors through the buffers (the file is what
+    safetensors writes from their host copies); load_file(device="cuda")
+    and safe_open(device="cuda") fill tensors on the GPU."""
+    st = pytest.importorskip("safetensors.torch")
+    from fastpersist import safetensors as fst
+
+    g = torch.Generator().manual_seed(5)
+    host = {"w": torch.randn(1000, 333, generator=g), "h": torch.randn(4097, generator=g).half(),
+            "i": torch.arange(7), "s": torch.tensor(2.0), "e": torch.zeros(0)}
+    on_gpu = {k: v.cuda() for k, v in host.items()}
+    fst.save_file(on_gpu, tmp_path / "g.safetensors", metadata={"format": "pt"}, **BUFFERS)
+    assert (tmp_path / "g.safetensors").read_bytes() == st.save(host, {"format": "pt"})
+    for device in ("cuda", "cuda:0", 0):
+        loaded = fst.load_file(tmp_path / "g.safetensors", device=device)
+        assert all(loaded[k].is_cuda and torch.equal(loaded[k].cpu(), host[k]) for k in host)
+    with fst.safe_open(tmp_path / "g.safetensors", framework="pt", device="cuda") as f:
+        rows = f.get_slice("w")[10:20]
+        assert rows.is_cuda and torch.equal(rows.cpu(), host["w"][10:20])

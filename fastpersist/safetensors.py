@@ -1,0 +1,547 @@
+"""safetensors files through fastpersist's engine, with the signatures of
+``safetensors.torch``: ``save_file``, ``load_file``, ``save``, ``load`` and
+``safe_open``.
+
+Saves write what ``safetensors.torch.save_file`` writes, byte for byte (the
+header's tensor order and dtype names are read off the installed
+safetensors once, so a later version's choices are followed), streamed
+from the tensors' own memory (GPU tensors through the engine's pinned
+buffers) into a temporary that is fsynced and renamed over the target:
+atomic and durable, as fastpersist's torch saves are. Tensors that
+safetensors refuses (shared, non-contiguous, sparse) are refused with its
+own errors.
+
+Loads read the whole file with the engine into one page-aligned
+allocation, the tensors views of it (as ``torch.load(mmap=True)`` gives
+views of a mapping); to a GPU, each tensor is filled from the engine's
+buffers with no host copy of the file. ``safe_open`` reads the header only,
+then each tensor (or the rows of a slice) when asked for.
+
+A file is checked before any tensor is made from it: a header that is not
+JSON, offsets with holes or overlaps, a size that disagrees with the header,
+an unknown dtype each raise ``SafetensorsFileError`` naming the file and
+the problem.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+from typing import Dict, Optional
+
+import torch
+
+from .options import current_options
+from .torch_format import CheckpointError
+
+HEADER_LIMIT = 100_000_000  # safetensors' own bound on the JSON header
+
+
+class SafetensorsFileError(CheckpointError):
+    """A safetensors file is truncated, corrupt or not a safetensors file."""
+
+
+# ---------------------------------------------------------------------------
+# dtypes: names in the header, and the order safetensors writes them in
+
+# safetensors 0.8's choices, for a machine without safetensors installed; _dtype_table() reads
+# the installed version's off a probe save instead
+_STATIC_NAMES = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
+    "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "float8_e4m3fn": "F8_E4M3",
+    "float8_e4m3fnuz": "F8_E4M3FNUZ", "float8_e5m2": "F8_E5M2", "float8_e5m2fnuz": "F8_E5M2FNUZ",
+    "float8_e8m0fnu": "F8_E8M0", "float4_e2m1fn_x2": "F4", "complex64": "C64", "uint64": "U64", "uint32": "U32",
+    "uint16": "U16",
+}
+_STATIC_ORDER = ["U64", "I64", "F64", "C64", "F32", "U32", "I32", "BF16", "F16", "U16", "I16", "F8_E8M0",
+                 "F8_E4M3FNUZ", "F8_E4M3", "F8_E5M2FNUZ", "F8_E5M2", "I8", "U8", "F4", "BOOL"]
+# header elements per byte of a torch element, where they differ (two 4-bit floats in a byte)
+_PACKED = {"F4": 2}
+
+_table_lock = threading.Lock()
+_table: Optional[tuple] = None
+
+
+def _dtype_table() -> tuple:
+    """({torch dtype: header name}, {header name: torch dtype}, {header name:
+    rank}, where safetensors writes higher ranks first). Read off one save
+    by the installed safetensors of a tensor of each dtype; the static
+    table where safetensors is not installed."""
+    global _table
+    with _table_lock:
+        if _table is None:
+            _table = _probe_dtype_table() or _static_dtype_table()
+        return _table
+
+
+def _static_dtype_table() -> tuple:
+    names = {getattr(torch, k): v for k, v in _STATIC_NAMES.items() if hasattr(torch, k)}
+    rank = {name: len(_STATIC_ORDER) - i for i, name in enumerate(_STATIC_ORDER)}
+    return names, {v: k for k, v in names.items()}, rank
+
+
+def _probe_dtype_table() -> Optional[tuple]:
+    try:
+        import safetensors.torch as reference
+    except ImportError:
+        return None
+    dtypes = [d for d in getattr(reference, "_SIZE", {}) if isinstance(d, torch.dtype)]
+    # one element each, named so that their names sort in the opposite order of the dtypes' list:
+    # the header's order is then the dtypes' rank alone
+    probe = {f"{len(dtypes) - i:04d}": torch.zeros(1, dtype=torch.uint8).view(d) if d.itemsize == 1
+             else torch.zeros(1, dtype=d) for i, d in enumerate(dtypes)}
+    try:
+        data = reference.save(probe)
+    except Exception:  # noqa: BLE001 - an unexpected version: the static table
+        return None
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    header.pop("__metadata__", None)
+    names, order = {}, []
+    for key, info in header.items():
+        dtype = dtypes[len(dtypes) - int(key)]
+        names[dtype] = info["dtype"]
+        order.append(info["dtype"])
+    rank = {name: len(order) - i for i, name in enumerate(order)}
+    return names, {v: k for k, v in names.items()}, rank
+
+
+# ---------------------------------------------------------------------------
+# the header
+
+
+class _Entry:
+    __slots__ = ("name", "dtype", "shape", "begin", "end")
+
+    def __init__(self, name: str, dtype: torch.dtype, shape: tuple, begin: int, end: int):
+        self.name, self.dtype, self.shape, self.begin, self.end = name, dtype, shape, begin, end
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+class Header:
+    """A safetensors file's header, checked: its tensors in file order,
+    their offsets relative to the data section, which begins at
+    ``data_start``; ``metadata`` (a dict of strings, or None)."""
+
+    def __init__(self, entries: dict, metadata: Optional[dict], data_start: int):
+        self.entries, self.metadata, self.data_start = entries, metadata, data_start
+
+    @classmethod
+    def read(cls, fd: int, path: str, size: int) -> "Header":
+        if size < 8:
+            raise SafetensorsFileError(f"{path}: {size} bytes, too short for a safetensors file (an 8-byte header "
+                                       "length comes first)")
+        (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+        if n > HEADER_LIMIT:
+            raise SafetensorsFileError(f"{path}: header of {n} bytes, more than safetensors allows "
+                                       f"({HEADER_LIMIT}); not a safetensors file?")
+        if 8 + n > size:
+            raise SafetensorsFileError(f"{path}: its header says it is {n} bytes long, but the file has only "
+                                       f"{size - 8} after the length: truncated, or not a safetensors file")
+        raw = os.pread(fd, n, 8)
+        if len(raw) != n:
+            raise SafetensorsFileError(f"{path}: the file ended inside its header")
+        return cls.parse(raw, path, size)
+
+    @classmethod
+    def parse(cls, raw: bytes, path: str, size: int) -> "Header":
+        """The header from its JSON bytes; size: the whole file's."""
+        data_start = 8 + len(raw)
+        if not raw.startswith(b"{"):
+            raise SafetensorsFileError(f"{path}: the header does not begin with '{{': not a safetensors file")
+        try:
+            parsed = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise SafetensorsFileError(f"{path}: the header is not valid JSON: {exc}") from None
+        if not isinstance(parsed, dict):
+            raise SafetensorsFileError(f"{path}: the header is not a JSON object")
+        metadata = parsed.pop("__metadata__", None)
+        if metadata is not None and not (isinstance(metadata, dict) and
+                                         all(isinstance(v, str) for v in metadata.values())):
+            raise SafetensorsFileError(f"{path}: __metadata__ must map strings to strings")
+        _, dtypes, _ = _dtype_table()
+        entries = []
+        for name, info in parsed.items():
+            if not isinstance(info, dict) or set(info) - {"dtype", "shape", "data_offsets"} or len(info) != 3:
+                raise SafetensorsFileError(f"{path}: tensor {name!r}: expected dtype, shape and data_offsets, "
+                                           f"got {info!r}")
+            dtype = dtypes.get(info["dtype"])
+            if dtype is None:
+                raise SafetensorsFileError(f"{path}: tensor {name!r} has dtype {info['dtype']!r}, which this "
+                                           "torch cannot hold")
+            shape, offsets = info["shape"], info["data_offsets"]
+            if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+                raise SafetensorsFileError(f"{path}: tensor {name!r}: bad shape {shape!r}")
+            if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+                    and 0 <= offsets[0] <= offsets[1]):
+                raise SafetensorsFileError(f"{path}: tensor {name!r}: bad data_offsets {offsets!r}")
+            elements = 1
+            for d in shape:
+                elements *= d
+            packed = _PACKED.get(info["dtype"], 1)
+            if elements % packed or (elements // packed) * dtype.itemsize != offsets[1] - offsets[0]:
+                raise SafetensorsFileError(
+                    f"{path}: tensor {name!r}: shape {shape} of {info['dtype']} needs "
+                    f"{elements // packed * dtype.itemsize} bytes, its data_offsets give {offsets[1] - offsets[0]}")
+            torch_shape = tuple(shape[:-1]) + (shape[-1] // packed,) if packed > 1 and shape else tuple(shape)
+            entries.append(_Entry(name, dtype, torch_shape, offsets[0], offsets[1]))
+        entries.sort(key=lambda e: (e.begin, e.end))
+        reached = 0
+        for e in entries:
+            if e.begin != reached:
+                what = "a hole" if e.begin > reached else "an overlap"
+                raise SafetensorsFileError(f"{path}: {what} in the data before tensor {e.name!r} (it begins at "
+                                           f"{e.begin}, the data before it ends at {reached})")
+            reached = e.end
+        if data_start + reached != size:
+            raise SafetensorsFileError(f"{path}: the header's tensors end at byte {data_start + reached}, but the "
+                                       f"file has {size} bytes: truncated or extended")
+        return cls({e.name: e for e in entries}, metadata, data_start)
+
+
+def header_bytes(tensors: Dict[str, torch.Tensor], metadata: Optional[Dict[str, str]] = None,
+                 align: int = 8) -> tuple:
+    """(the file's first bytes: length and JSON header, padded with spaces,
+    the tensors' names in file order), as safetensors writes them. align:
+    the data section begins at a multiple of it (safetensors: 8)."""
+    names, _, rank = _dtype_table()
+    order = sorted(tensors, key=lambda k: (-rank[_name_of(names, tensors[k].dtype, k)], k))
+    parts = []
+    if metadata is not None:
+        parts.append('"__metadata__":' + _json(metadata))
+    offset = 0
+    for k in order:
+        t = tensors[k]
+        dtype_name = names[t.dtype]
+        shape = list(t.shape)
+        packed = _PACKED.get(dtype_name, 1)
+        if packed > 1 and shape:
+            shape[-1] *= packed
+        nbytes = t.numel() * t.element_size()
+        parts.append(f'{_json(k)}:{{"dtype":"{dtype_name}","shape":{_json(shape)},"data_offsets":[{offset},'
+                     f'{offset + nbytes}]}}')
+        offset += nbytes
+    body = ("{" + ",".join(parts) + "}").encode("utf-8")
+    padded = -(-(8 + len(body)) // align) * align - 8
+    body += b" " * (padded - len(body))
+    return struct.pack("<Q", len(body)) + body, order
+
+
+def _json(value) -> str:
+    # serde_json's compact form: no spaces, non-ASCII characters as they are
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def _name_of(names: dict, dtype, key: str) -> str:
+    name = names.get(dtype)
+    if name is None:
+        raise ValueError(f"tensor {key!r} has dtype {dtype}, which safetensors cannot store")
+    return name
+
+
+# ---------------------------------------------------------------------------
+# saving
+
+
+def _check_for_save(tensors, metadata) -> None:
+    """safetensors' own refusals, with its words (its checks where it is installed)."""
+    try:
+        from safetensors.torch import _evaluate_tensors_for_save
+    except ImportError:
+        _evaluate_tensors_for_save = _own_checks
+    _evaluate_tensors_for_save(tensors)
+    for k, v in tensors.items():
+        if not v.is_contiguous():
+            raise ValueError(
+                f"You are trying to save a non contiguous tensor: `{k}` which is not allowed. It either means you"
+                " are trying to save tensors which are reference of each other in which case it's recommended to"
+                " save only the full tensors, and reslice at load time, or simply call `.contiguous()` on your"
+                " tensor to pack it before saving.")
+        if not isinstance(k, str):
+            raise ValueError(f"tensor names must be strings, got {k!r}")
+    if metadata is not None and not (isinstance(metadata, dict) and
+                                     all(isinstance(a, str) and isinstance(b, str) for a, b in metadata.items())):
+        raise ValueError(f"metadata must be a dict of strings to strings, got {metadata!r}")
+
+
+def _own_checks(tensors) -> None:
+    if not isinstance(tensors, dict):
+        raise ValueError(f"Expected a dict of [str, torch.Tensor] but received {type(tensors)}")
+    seen: dict = {}
+    for k, v in tensors.items():
+        if not isinstance(v, torch.Tensor):
+            raise ValueError(f"Key `{k}` is invalid, expected torch.Tensor but received {type(v)}")
+        if v.layout != torch.strided:
+            raise ValueError(f"You are trying to save a sparse tensors: `{[k]}` which this library does not support.")
+        if v.numel():
+            seen.setdefault((v.device, v.untyped_storage().data_ptr()), []).append(k)
+    failing = [names for names in seen.values() if len(names) > 1]
+    if failing:
+        raise RuntimeError(f"Some tensors share memory, this will lead to duplicate memory on disk and potential "
+                           f"differences when loading them again: {failing}.")
+
+
+def save_file(tensors: Dict[str, torch.Tensor], filename, metadata: Optional[Dict[str, str]] = None, *,
+              align: int = 8, **options) -> None:
+    """Saves tensors as a safetensors file at filename, as
+    ``safetensors.torch.save_file`` does (the same bytes), atomically and
+    durably: a temporary beside it, fsynced, renamed over it, the folder
+    fsynced; on any failure the previous file is intact. GPU tensors are
+    streamed through the engine's buffers (no host copy of the shard).
+
+    align: where the data section begins (safetensors: 8; 4096 puts it on
+    a page boundary, which every reader accepts). ``options`` (see
+    :class:`fastpersist.Options`) override the patched ones.
+    Raises what safetensors raises for shared, non-contiguous and sparse
+    tensors, ValueError for a dtype it cannot store or a bad align."""
+    from . import device_io
+    from .save import write_to_path
+
+    _check_for_save(tensors, metadata)
+    if align < 8 or align % 8:
+        raise ValueError(f"align={align}: must be a multiple of 8")
+    head, order = header_bytes(tensors, metadata, align)
+    total = len(head) + sum(tensors[k].numel() * tensors[k].element_size() for k in order)
+    opts = current_options().replace(**options)
+
+    def fill(writer) -> int:
+        writer.write(head)
+        copiers: dict = {}
+        for k in order:
+            t = tensors[k]
+            nbytes = t.numel() * t.element_size()
+            if not nbytes:
+                continue
+            if t.device.type == "cpu":
+                writer.write_address(t.data_ptr(), nbytes)
+            else:
+                flat = t.detach().reshape(-1).view(torch.uint8) if t.dtype.itemsize else t
+                device_io.write_storage(flat, writer, None, copiers)
+        return total
+
+    write_to_path(os.fspath(filename), opts, fill, expected_size=total)
+
+
+def save(tensors: Dict[str, torch.Tensor], metadata: Optional[Dict[str, str]] = None) -> bytes:
+    """The file's bytes, as ``safetensors.torch.save`` returns them."""
+    _check_for_save(tensors, metadata)
+    head, order = header_bytes(tensors, metadata)
+    out = bytearray(head)
+    for k in order:
+        t = tensors[k]
+        if t.numel():
+            out += t.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return bytes(out)
+
+
+# ---------------------------------------------------------------------------
+# loading
+
+
+def _tensor_at(storage, entry: _Entry, data_start: int):
+    """entry's tensor as a view of storage (the whole file's bytes), or a
+    copy where its offset does not suit its dtype's alignment."""
+    offset = data_start + entry.begin
+    if not entry.nbytes:
+        return torch.empty(entry.shape, dtype=entry.dtype)
+    byte_view = torch.empty(0, dtype=torch.uint8).set_(storage, offset, (entry.nbytes,))
+    if offset % entry.dtype.itemsize:
+        byte_view = byte_view.clone()
+    return byte_view.view(entry.dtype).view(entry.shape)
+
+
+def load_file(filename, device="cpu") -> Dict[str, torch.Tensor]:
+    """The file's tensors, as ``safetensors.torch.load_file`` returns them.
+    On the CPU: read with the engine into one allocation, the tensors views
+    of it (freed when the last of them dies). On a GPU (``device="cuda"``,
+    ``"cuda:1"``, an int, a torch.device): each tensor allocated there and
+    filled from the engine's buffers, no host copy of the file.
+    Raises SafetensorsFileError for a file that is not a sound safetensors
+    file (nothing is returned from it)."""
+    from . import device_io
+    from .fileio import reading_engine
+    from .load import _CheckpointImage
+
+    path = os.fspath(filename)
+    target = _device_of(device)
+    opts = current_options()
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        header = Header.read(fd, path, size)
+        if target.type == "cpu":
+            image = _CheckpointImage(path, fd, size, None, opts)
+            fd = -1  # the image closes it
+            with image:
+                image.start_reading()
+                image.finish_reading(resolve=False)
+                storage = image.as_storage()
+            return {k: _tensor_at(storage, e, header.data_start) for k, e in header.entries.items()}
+        out = {k: torch.empty(e.shape, dtype=e.dtype, device=target) for k, e in header.entries.items()}
+        pieces = [device_io.Piece(header.data_start + e.begin, e.nbytes, device_io.byte_view(out[k].untyped_storage()))
+                  for k, e in header.entries.items() if e.nbytes]
+        try:
+            with reading_engine(path, opts, size) as (engine, direct_fd):
+                device_io.read_into(engine, direct_fd, fd, path, pieces, transfer=opts.transfer,
+                                    allow_compat=opts.allow_gds_compat)
+        except EOFError:
+            raise SafetensorsFileError(f"{path}: the file ended before its {size} bytes were read (did it shrink "
+                                       "while being read?)") from None
+        return out
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def load(data: bytes) -> Dict[str, torch.Tensor]:
+    """The tensors of a safetensors file's bytes, as ``safetensors.torch.load``."""
+    data = bytes(data)
+    if len(data) < 8:
+        raise SafetensorsFileError(f"<bytes>: {len(data)} bytes, too short for a safetensors file")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > HEADER_LIMIT or 8 + n > len(data):
+        raise SafetensorsFileError(f"<bytes>: a header of {n} bytes does not fit in {len(data)} bytes")
+    header = Header.parse(data[8:8 + n], "<bytes>", len(data))
+    storage = torch.frombuffer(bytearray(data), dtype=torch.uint8).untyped_storage() if data else None
+    return {k: _tensor_at(storage, e, header.data_start) for k, e in header.entries.items()}
+
+
+def _device_of(device) -> torch.device:
+    if isinstance(device, int):
+        return torch.device("cuda", device)
+    target = torch.device(device)
+    if target.type not in ("cpu", "cuda"):
+        raise ValueError(f"fastpersist.safetensors loads to the CPU or a CUDA device, not {device!r}")
+    return target
+
+
+class safe_open:  # noqa: N801 - safetensors' name
+    """A safetensors file opened for reading parts of it, as
+    ``safetensors.safe_open``: ``keys()``, ``metadata()``, ``get_tensor(name)``,
+    ``get_slice(name)``; a context manager. Only the header is read when
+    opened; each tensor when asked for (the rows a slice of its first
+    dimension needs, where that is all it needs). ``framework`` must be "pt"
+    ("torch" accepted); ``backend`` is accepted and ignored (the engine
+    reads)."""
+
+    def __init__(self, filename, framework: str = "pt", device="cpu", backend: Optional[str] = None):
+        if framework not in ("pt", "torch", "pytorch"):
+            raise ValueError(f"fastpersist.safetensors.safe_open reads torch tensors (framework='pt'), not "
+                             f"{framework!r}")
+        self.path = os.fspath(filename)
+        self.device = _device_of(device)
+        self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            self._size = os.fstat(self._fd).st_size
+            self._header = Header.read(self._fd, self.path, self._size)
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def __enter__(self) -> "safe_open":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def keys(self) -> list:
+        return sorted(self._header.entries)
+
+    def offset_keys(self) -> list:
+        return list(self._header.entries)
+
+    def metadata(self) -> Optional[Dict[str, str]]:
+        return self._header.metadata
+
+    def _entry(self, name: str) -> _Entry:
+        if self._fd < 0:
+            raise OSError(f"{self.path}: read after the file was closed")
+        entry = self._header.entries.get(name)
+        if entry is None:
+            raise KeyError(f"File does not contain tensor {name}")
+        return entry
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        entry = self._entry(name)
+        return self._read(entry, 0, entry.shape[0] if entry.shape else 1)
+
+    def get_slice(self, name: str) -> "_Slice":
+        return _Slice(self, self._entry(name))
+
+    def _read(self, entry: _Entry, first: int, stop: int) -> torch.Tensor:
+        """Rows [first, stop) of entry's first dimension (the whole tensor
+        for a 0-d one), read from the file into a new tensor on the device."""
+        from . import device_io
+        from .fileio import read_extents_through_page_cache, reading_engine
+
+        rows = entry.shape[0] if entry.shape else 1
+        row_bytes = entry.nbytes // rows if rows else 0
+        shape = (stop - first,) + tuple(entry.shape[1:]) if entry.shape else ()
+        out = torch.empty(shape, dtype=entry.dtype, device=self.device)
+        nbytes = (stop - first) * row_bytes
+        if not nbytes:
+            return out
+        offset = self._header.data_start + entry.begin + first * row_bytes
+        opts = current_options()
+        try:
+            if self.device.type == "cpu" and nbytes < _SMALL_READ:
+                read_extents_through_page_cache(self._fd, self.path, [(out.data_ptr(), offset, nbytes)], False)
+            else:
+                piece = device_io.Piece(offset, nbytes, device_io.byte_view(out.untyped_storage()))
+                with reading_engine(self.path, opts, nbytes) as (engine, direct_fd):
+                    device_io.read_into(engine, direct_fd, self._fd, self.path, [piece], transfer=opts.transfer,
+                                        allow_compat=opts.allow_gds_compat)
+        except EOFError:
+            raise SafetensorsFileError(f"{self.path}: the file ended inside tensor {entry.name!r}") from None
+        return out
+
+
+_SMALL_READ = 1 << 20  # below this, one pread through the page cache costs less than an engine's pass
+
+
+class _Slice:
+    """A tensor of an open file, read when indexed (``[...]``, ``[:]``, rows,
+    any basic index safetensors takes); ``get_shape()``, ``get_dtype()``."""
+
+    def __init__(self, opened: safe_open, entry: _Entry):
+        self._file, self._entry = opened, entry
+
+    def get_shape(self) -> list:
+        return list(self._entry.shape)
+
+    def get_dtype(self) -> str:
+        names, _, _ = _dtype_table()
+        return names[self._entry.dtype]
+
+    def __len__(self) -> int:
+        if not self._entry.shape:
+            raise TypeError("len() of a 0-d tensor")
+        return self._entry.shape[0]
+
+    def __getitem__(self, index):
+        shape = self._entry.shape
+        parts = index if isinstance(index, tuple) else (index,)
+        first = parts[0] if parts else Ellipsis
+        if shape and isinstance(first, slice) and first.step in (None, 1):
+            lo, hi, _ = first.indices(shape[0])
+            hi = max(lo, hi)
+            rows = self._file._read(self._entry, lo, hi)  # only the rows asked for
+            rest = (slice(None),) + tuple(parts[1:])
+            return rows[rest] if parts[1:] else rows
+        whole = self._file._read(self._entry, 0, shape[0] if shape else 1)
+        return whole[index]

@@ -1,0 +1,425 @@
+"""safetensors files through fastpersist (fastpersist.safetensors), against
+the installed safetensors: the same bytes (golden: safetensors' own output
+for each case), each library loading the other's files bit-exactly, the
+same refusals, clean errors for broken files, atomic saves, and
+transformers / accelerate through the patch with no code change."""
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+import torch
+
+st = pytest.importorskip("safetensors.torch", reason="safetensors is not installed")
+import safetensors  # noqa: E402
+
+import fastpersist  # noqa: E402
+from fastpersist import safetensors as fst  # noqa: E402
+from fastpersist.safetensors import SafetensorsFileError  # noqa: E402
+
+from conftest import leftovers  # noqa: E402
+
+# the originals, whatever the patch has done to the names
+ORIGINAL_SAVE_FILE = getattr(st, "_fastpersist_original_save_file", st.save_file)
+ORIGINAL_LOAD_FILE = getattr(st, "_fastpersist_original_load_file", st.load_file)
+ORIGINAL_SAFE_OPEN = getattr(safetensors, "_fastpersist_original_safe_open", safetensors.safe_open)
+
+
+def of_dtype(dtype, shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n = 1
+    for d in shape:
+        n *= d
+    if dtype.itemsize == 1 and dtype != torch.bool:  # float8, float4 pairs, int8, uint8: any byte
+        return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).view(dtype).reshape(shape)
+    if dtype == torch.bool:
+        return (torch.randint(0, 2, shape, generator=g) == 1)
+    if dtype.is_complex:
+        return torch.randn(shape, dtype=dtype, generator=g)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g).to(dtype)
+    return torch.randint(0, 100, shape, generator=g).to(dtype)
+
+
+DTYPES = [d for d in st._SIZE if isinstance(d, torch.dtype)]
+
+
+def corpus():
+    """(name, tensors, metadata) cases."""
+    cases = [("every dtype", {f"t_{str(d)[6:]}": of_dtype(d, (3, 4), i) for i, d in enumerate(DTYPES)}, None)]
+    cases.append(("0-d and empty", {"scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3), "none": torch.zeros(0),
+                                    "i": torch.tensor(7, dtype=torch.int64)}, {"format": "pt"}))
+    cases.append(("unicode names and metadata", {"gewicht.ü": torch.ones(2), "名前": torch.arange(3), "a\"b\\c": torch.zeros(1)},
+                  {"note": "ünïcode \" \\ \n ✓"}))
+    g = torch.Generator().manual_seed(3)
+    layout = {}
+    for layer in range(4):  # a GPT-2-like block layout, bf16 and f32 mixed
+        p = f"transformer.h.{layer}."
+        layout[p + "ln_1.weight"] = torch.randn(64, generator=g)
+        layout[p + "ln_1.bias"] = torch.randn(64, generator=g)
+        layout[p + "attn.c_attn.weight"] = torch.randn(64, 192, generator=g).bfloat16()
+        layout[p + "attn.c_attn.bias"] = torch.randn(192, generator=g).bfloat16()
+        layout[p + "mlp.c_fc.weight"] = torch.randn(64, 256, generator=g).bfloat16()
+    layout["transformer.wte.weight"] = torch.randn(500, 64, generator=g)
+    cases.append(("gpt2-like", layout, {"format": "pt"}))
+    cases.append(("no tensors", {}, {"format": "pt"}))
+    return cases
+
+
+CASES = corpus()
+
+
+def raw_bytes(t):
+    return t.contiguous().reshape(-1).view(torch.uint8) if t.numel() else torch.zeros(0, dtype=torch.uint8)
+
+
+def assert_same(a: dict, b: dict):
+    assert list(sorted(a)) == list(sorted(b))
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert torch.equal(raw_bytes(a[k]), raw_bytes(b[k])), k
+
+
+@pytest.mark.parametrize("name,tensors,metadata", CASES, ids=[c[0] for c in CASES])
+def test_files_are_safetensors_own_bytes(tmp_path, name, tensors, metadata):
+    ours, theirs = tmp_path / "ours.safetensors", tmp_path / "theirs.safetensors"
+    fst.save_file(tensors, ours, metadata=metadata)
+    ORIGINAL_SAVE_FILE(tensors, str(theirs), metadata=metadata)
+    assert ours.read_bytes() == theirs.read_bytes()
+    assert fst.save(tensors, metadata) == st.save(tensors, metadata)
+    # each loads the other's file, bit for bit
+    assert_same(fst.load_file(theirs), tensors)
+    assert_same(ORIGINAL_LOAD_FILE(str(ours)), tensors)
+    assert_same(fst.load(theirs.read_bytes()), tensors)
+    assert leftovers(tmp_path) == []
+
+
+def test_metadata_of_several_keys(tmp_path):
+    """safetensors writes several metadata keys in an order that changes from
+    process to process (a hash map's); everything else is its bytes."""
+    tensors = {"w": torch.randn(10), "b": torch.zeros(3, dtype=torch.int32)}
+    metadata = {"format": "pt", "step": "100", "z": "last"}
+    ours = fst.save(tensors, metadata)
+    theirs = st.save(tensors, metadata)
+    n_ours, n_theirs = struct.unpack("<Q", ours[:8])[0], struct.unpack("<Q", theirs[:8])[0]
+    assert n_ours == n_theirs and ours[8 + n_ours:] == theirs[8 + n_theirs:]
+    assert json.loads(ours[8:8 + n_ours]) == json.loads(theirs[8:8 + n_theirs])
+    with fst.safe_open(_write(tmp_path / "m.safetensors", ours)) as f:
+        assert f.metadata() == metadata
+
+
+def test_the_data_section_can_begin_on_a_page(tmp_path):
+    tensors = {"w": torch.randn(1000), "h": torch.randn(7).half()}
+    path = tmp_path / "p.safetensors"
+    fst.save_file(tensors, path, metadata={"format": "pt"}, align=4096)
+    (n,) = struct.unpack("<Q", path.read_bytes()[:8])
+    assert (8 + n) % 4096 == 0
+    assert_same(ORIGINAL_LOAD_FILE(str(path)), tensors)
+    assert_same(fst.load_file(path), tensors)
+    with pytest.raises(ValueError, match="align=12"):
+        fst.save_file(tensors, path, align=12)
+
+
+def _write(path, data):
+    path.write_bytes(data)
+    return path
+
+
+@pytest.mark.parametrize("index", [(), (slice(None),), (Ellipsis,), (slice(1, 3),), (slice(2, None), 1),
+                                   (slice(None), slice(0, 2)), (1,), (-1, slice(1, 3)), (slice(0, 4, 2),),
+                                   (slice(5, 1),)])
+def test_slices_are_safetensors_slices(tmp_path, index):
+    tensors = {"m": torch.arange(40, dtype=torch.float32).reshape(4, 10), "s": torch.tensor(3.0)}
+    path = _write(tmp_path / "s.safetensors", st.save(tensors))
+    with ORIGINAL_SAFE_OPEN(str(path), framework="pt") as theirs, fst.safe_open(path, framework="pt") as ours:
+        assert ours.keys() == theirs.keys() and ours.metadata() == theirs.metadata()
+        a, b = ours.get_slice("m"), theirs.get_slice("m")
+        assert a.get_shape() == b.get_shape() and a.get_dtype() == b.get_dtype()
+        key = index if index != () else Ellipsis
+        assert torch.equal(a[key], b[key])
+        assert torch.equal(ours.get_tensor("s"), theirs.get_tensor("s"))
+        with pytest.raises(KeyError, match="nope"):
+            ours.get_tensor("nope")
+
+
+def test_a_slice_of_rows_reads_only_those_rows(tmp_path, monkeypatch):
+    tensors = {"big": torch.randn(1000, 256)}
+    path = tmp_path / "big.safetensors"
+    fst.save_file(tensors, path)
+    asked = []
+    real = fst.safe_open._read
+    monkeypatch.setattr(fst.safe_open, "_read", lambda self, e, lo, hi: (asked.append((lo, hi)), real(self, e, lo, hi))[1])
+    with fst.safe_open(path) as f:
+        rows = f.get_slice("big")[10:20]
+    assert asked == [(10, 20)] and torch.equal(rows, tensors["big"][10:20])
+
+
+# ---------------------------------------------------------------------------
+# refusals: the same as safetensors', nothing written
+
+
+def _refusal(call):
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001
+        return type(exc), " ".join(str(exc).split())
+    return None
+
+
+@pytest.mark.parametrize("what", ["shared", "non-contiguous", "sparse", "not a tensor", "not a dict"])
+def test_refusals_are_safetensors_own(tmp_path, what):
+    base = torch.randn(4, 4)
+    tensors = {"shared": {"a": base, "b": base[1]},
+               "non-contiguous": {"t": base.t()},
+               "sparse": {"s": base.to_sparse()},
+               "not a tensor": {"x": 3},
+               "not a dict": [base]}[what]
+    ours = _refusal(lambda: fst.save_file(tensors, tmp_path / "x.safetensors"))
+    theirs = _refusal(lambda: ORIGINAL_SAVE_FILE(tensors, str(tmp_path / "y.safetensors")))
+    assert ours is not None and ours == theirs
+    assert not (tmp_path / "x.safetensors").exists() and leftovers(tmp_path) == []
+
+
+def test_what_safetensors_cannot_store_is_named(tmp_path):
+    with pytest.raises(ValueError, match="'c' has dtype torch.complex128"):
+        fst.save_file({"c": torch.zeros(2, dtype=torch.complex128)}, tmp_path / "c.safetensors")
+    with pytest.raises(ValueError, match="metadata must be a dict of strings"):
+        fst.save_file({"a": torch.zeros(2)}, tmp_path / "c.safetensors", metadata={"step": 3})
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------
+# broken files: a clean error naming the problem, from every entry point
+
+
+def _sound():
+    return st.save({"a": torch.arange(6, dtype=torch.float32), "b": torch.ones(3, dtype=torch.int64)},
+                   {"format": "pt"})
+
+
+def _with_header(header: dict, data: bytes) -> bytes:
+    body = json.dumps(header).encode()
+    body += b" " * (-len(body) % 8)
+    return struct.pack("<Q", len(body)) + body + data
+
+
+def _header_of(data: bytes) -> tuple:
+    (n,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8:8 + n]), data[8 + n:]
+
+
+def _broken(kind: str) -> bytes:
+    good = _sound()
+    header, data = _header_of(good)
+    if kind == "truncated":
+        return good[:-5]
+    if kind == "extended":
+        return good + b"\0"
+    if kind == "too short":
+        return good[:5]
+    if kind == "header beyond the file":
+        return struct.pack("<Q", 10_000) + good[8:100]
+    if kind == "huge header length":
+        return struct.pack("<Q", 1 << 40) + good[8:]
+    if kind == "not json":
+        return struct.pack("<Q", 8) + b"{garbage" + data
+    if kind == "not an object":
+        return struct.pack("<Q", 8) + b"[1,2]   " + data
+    if kind == "hole":
+        header["b"]["data_offsets"] = [header["b"]["data_offsets"][0] + 8, header["b"]["data_offsets"][1] + 8]
+        return _with_header(header, data + b"\0" * 8)
+    if kind == "overlap":
+        a, b = header["a"]["data_offsets"], header["b"]["data_offsets"]
+        header["a"]["data_offsets"] = [b[0], b[0] + (a[1] - a[0])]
+        return _with_header(header, data)
+    if kind == "unknown dtype":
+        header["a"]["dtype"] = "F7"
+        return _with_header(header, data)
+    if kind == "shape disagrees":
+        header["a"]["shape"] = [7]
+        return _with_header(header, data)
+    if kind == "negative dimension":
+        header["a"]["shape"] = [-6]
+        return _with_header(header, data)
+    if kind == "metadata not strings":
+        header["__metadata__"] = {"step": 3}
+        return _with_header(header, data)
+    raise AssertionError(kind)
+
+
+BROKEN = ["truncated", "extended", "too short", "header beyond the file", "huge header length", "not json",
+          "not an object", "hole", "overlap", "unknown dtype", "shape disagrees", "negative dimension",
+          "metadata not strings"]
+
+
+@pytest.mark.parametrize("kind", BROKEN)
+def test_broken_files_are_refused_cleanly(tmp_path, kind):
+    data = _broken(kind)
+    path = _write(tmp_path / "broken.safetensors", data)
+    assert _refusal(lambda: ORIGINAL_LOAD_FILE(str(path))) is not None  # safetensors refuses it too
+    for call in (lambda: fst.load_file(path), lambda: fst.load(data), lambda: fst.safe_open(path)):
+        with pytest.raises(SafetensorsFileError, match="broken.safetensors|<bytes>"):
+            call()
+
+
+# ---------------------------------------------------------------------------
+# saves are atomic and durable
+
+
+def test_a_failed_save_leaves_the_previous_file(tmp_path, monkeypatch):
+    from fastpersist import _engine
+
+    path = tmp_path / "model.safetensors"
+    first = {"w": torch.randn(300_000)}
+    fst.save_file(first, path, buffer_size=64 << 10, num_buffers=2, request_size=16 << 10)
+    before = path.read_bytes()
+    monkeypatch.setenv("FASTPERSIST_FAULT_INJECT", "write:3:EIO")
+    _engine.clear_pool()
+    try:
+        with pytest.raises(OSError):
+            fst.save_file({"w": torch.randn(300_000)}, path, buffer_size=64 << 10, num_buffers=2,
+                          request_size=16 << 10)
+    finally:
+        monkeypatch.delenv("FASTPERSIST_FAULT_INJECT")
+        _engine.clear_pool()
+    assert path.read_bytes() == before and leftovers(tmp_path) == []
+    assert_same(fst.load_file(path), first)
+
+
+def test_a_save_killed_midway_leaves_the_previous_file(tmp_path):
+    path = tmp_path / "model.safetensors"
+    fst.save_file({"w": torch.zeros(10)}, path)
+    before = path.read_bytes()
+    script = f"""
+import os, signal, torch
+from fastpersist import safetensors as fst, writer
+real = writer.FastFileWriter.write_address
+def die(self, *a, **k):
+    os.kill(os.getpid(), signal.SIGKILL)
+writer.FastFileWriter.write_address = die
+fst.save_file({{"w": torch.ones(1_000_000)}}, {str(path)!r})
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    assert out.returncode == -9
+    assert path.read_bytes() == before
+
+
+# ---------------------------------------------------------------------------
+# the drop-in: safetensors' names routed, in modules imported before or after
+
+
+def test_patch_routes_safetensors_and_unpatch_restores(monkeypatch):
+    transformers_utils = pytest.importorskip("transformers.modeling_utils")
+    was = fastpersist.is_patched()
+    try:
+        fastpersist.patch()
+        assert st.save_file is fst.save_file and st.load_file is fst.load_file
+        assert safetensors.safe_open is fst.safe_open and transformers_utils.safe_open is fst.safe_open
+        assert transformers_utils.safe_save_file is fst.save_file
+        fastpersist.unpatch()
+        assert st.save_file is ORIGINAL_SAVE_FILE and safetensors.safe_open is ORIGINAL_SAFE_OPEN
+        assert transformers_utils.safe_open is ORIGINAL_SAFE_OPEN
+        fastpersist.patch(safetensors=False)
+        assert st.save_file is ORIGINAL_SAVE_FILE and fastpersist.is_patched()
+    finally:
+        fastpersist.patch() if was else fastpersist.unpatch()
+
+
+@pytest.mark.parametrize("order", ["transformers first", "fastpersist first", "opted out"])
+def test_import_order_does_not_matter(order):
+    pytest.importorskip("transformers")
+    imports = {"transformers first": "import transformers.modeling_utils as m; import fastpersist",
+               "fastpersist first": "import fastpersist; import transformers.modeling_utils as m",
+               "opted out": "import transformers.modeling_utils as m; import fastpersist"}[order]
+    script = imports + "\nprint(m.safe_open.__module__, m.safe_save_file.__module__)"
+    env = dict(os.environ, FASTPERSIST_AUTOPATCH="1")
+    if order == "opted out":
+        env["FASTPERSIST_SAFETENSORS"] = "0"
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    expected = "builtins safetensors.torch" if order == "opted out" else \
+        "fastpersist.safetensors fastpersist.safetensors"
+    assert out.stdout.split("\n")[-2] == expected
+
+
+@pytest.fixture
+def routed(monkeypatch):
+    """The patch on, with fastpersist's safetensors functions counting their calls."""
+    was = fastpersist.is_patched()
+    fastpersist.patch()
+    calls = {"save_file": 0, "opened": 0, "safe_open": 0}
+    real_header_read = fst.Header.read.__func__
+
+    def counted_header_read(cls, *a):
+        calls["opened"] += 1
+        return real_header_read(cls, *a)
+
+    monkeypatch.setattr(fst.Header, "read", classmethod(counted_header_read))
+    real_save, real_read = fst.save_file, fst.safe_open._read
+
+    def counted_read(self, *a):
+        calls["safe_open"] += 1
+        return real_read(self, *a)
+
+    monkeypatch.setattr(fst.safe_open, "_read", counted_read)
+    real_write = fst.header_bytes
+
+    def counted_header(*a, **k):
+        calls["save_file"] += 1
+        return real_write(*a, **k)
+
+    monkeypatch.setattr(fst, "header_bytes", counted_header)
+    yield calls
+    assert fst.save_file is real_save
+    if not was:
+        fastpersist.unpatch()
+
+
+def tiny_gpt2():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def test_transformers_sharded_save_pretrained_and_from_pretrained(tmp_path, routed):
+    transformers = pytest.importorskip("transformers")
+    model = tiny_gpt2()
+    model.save_pretrained(tmp_path / "ours", max_shard_size="20KB")
+    shards = sorted(p.name for p in (tmp_path / "ours").glob("*.safetensors"))
+    assert len(shards) > 2 and routed["save_file"] >= len(shards)
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "ours")
+    assert routed["safe_open"] > 0
+    for k, v in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+    fastpersist.unpatch()
+    model.save_pretrained(tmp_path / "theirs", max_shard_size="20KB")
+    for name in shards:  # the shards stock transformers writes, byte for byte
+        assert (tmp_path / "ours" / name).read_bytes() == (tmp_path / "theirs" / name).read_bytes(), name
+
+
+def test_accelerate_save_model_and_load_checkpoint_in_model(tmp_path, routed):
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.utils import load_checkpoint_in_model
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    accelerate.Accelerator(cpu=True).save_model(model, tmp_path, safe_serialization=True)
+    assert routed["save_file"] >= 1
+    fresh = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    load_checkpoint_in_model(fresh, str(tmp_path / "model.safetensors"))
+    assert routed["opened"] >= 1
+    for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_peft_adapter_saved_and_loaded(tmp_path, routed):
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_gpt2(), peft.LoraConfig(r=4, target_modules=["c_attn"], init_lora_weights=False))
+    model.save_pretrained(tmp_path)
+    assert routed["save_file"] >= 1
+    opened = routed["opened"]
+    again = peft.PeftModel.from_pretrained(tiny_gpt2(), tmp_path)
+    assert routed["opened"] > opened
+    ours = {k: v for k, v in again.state_dict().items() if "lora" in k}
+    assert ours and all(torch.equal(v, model.state_dict()[k]) for k, v in ours.items())
