@@ -295,6 +295,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             from .bench import small as module
         elif command == "gpu":
             from .bench import gpu as module
+        elif command == "safetensors":
+            from .bench import stfiles as module
         else:
             from .bench import default as module
         return module.run(args)
@@ -405,7 +407,7 @@ def _add_bench_parser(commands) -> None:
                             "(default: auto)")
     _common_bench_arguments(bench, repeats=7)
     bench.set_defaults(func=_cmd_bench, bench_command=None)
-    kinds = bench.add_subparsers(dest="bench_command", metavar="{sweep,restart,small,gpu}")
+    kinds = bench.add_subparsers(dest="bench_command", metavar="{sweep,restart,small,gpu,safetensors}")
 
     sweep = kinds.add_parser(
         "sweep", help="buffer size x buffers x queue depth x engine (x file size): GB/s, CSV and a plot",
@@ -480,6 +482,18 @@ def _add_bench_parser(commands) -> None:
                      help="the device (default: cuda); cpu only checks that the benchmark runs")
     _common_bench_arguments(gpu, repeats=5)
     gpu.set_defaults(func=_cmd_bench)
+
+    safetensors = kinds.add_parser(
+        "safetensors", help="safetensors files: safetensors' save_file and load_file against fastpersist's",
+        description="Save and load safetensors files as Hugging Face libraries do: a GPT-2-shaped model in two "
+                    "shards and a LoRA-like file of ~500 small tensors; safetensors' save_file + fsync, "
+                    "load_file (mmap) and safe_open (pread) against fastpersist.safetensors and the raw engine; "
+                    "cold loads in fresh processes with the page cache dropped, warm loads in this one.")
+    _model_arguments(safetensors, size=2.0, dtype="bfloat16")
+    safetensors.add_argument("--small-mb", type=_positive_float, default=50.0, metavar="MB",
+                             help="size of the LoRA-like file in MB (default: 50)")
+    _common_bench_arguments(safetensors, repeats=5)
+    safetensors.set_defaults(func=_cmd_bench)
 
 
 # ---------------------------------------------------------------------------

@@ -84,6 +84,24 @@ def test_gpu_bench_runs_its_mechanisms_and_says_when_no_gpu_was_measured(tmp_pat
         assert len(refused.stderr.strip().splitlines()) == 1
 
 
+def test_safetensors_bench_runs_every_mechanism_and_leaves_nothing(tmp_path):
+    import json
+
+    pytest.importorskip("safetensors")
+    result = tmp_path / "s.json"
+    out = run_bench("safetensors", "--size", "0.01", "--small-mb", "1", "--repeats", "1", "--cache-drop", "file",
+                    "--folder", str(tmp_path), "--json", str(result), timeout=300)
+    assert "x ref" in out.stdout and "x ceiling" in out.stdout
+    rows = json.loads(result.read_text())["results"]
+    pairs = {(r["operation"].split(":")[0], r["mechanism"]) for r in rows}
+    for operation in ("save", "cold load, fresh process", "warm load"):
+        assert (operation, "fastpersist load_file" if "load" in operation else "fastpersist save_file") in pairs
+    assert ("cold load, fresh process", "raw engine read") in pairs
+    assert ("save", "safetensors save_file + fsync") in pairs
+    assert all(r["median_s"] > 0 for r in rows)
+    only_outputs_left(tmp_path, ["s.json"])
+
+
 def test_default_bench(tmp_path):
     out = run_bench("--size", "0.01", "--repeats", "1", "--cache-drop", "file", "--folder", str(tmp_path),
                     "--json", str(tmp_path / "r.json"), "--csv", str(tmp_path / "r.csv"))

@@ -231,4 +231,49 @@ def _restart(spec: dict) -> dict:
             "phases": {"build": built - start, "restore": restored - built, "first step": end - restored}}
 
 
-_MEASURES = {"load": _load, "save": _save, "restart": _restart}
+def _safetensors_load(spec: dict) -> dict:
+    """One cold load of safetensors files (every byte touched): safetensors'
+    load_file or safe_open, fastpersist's load_file, or the raw engine."""
+    import mmap
+
+    import torch
+
+    from . import common
+
+    mechanism, paths = spec["mechanism"], spec["paths"]
+    options = _options(spec)
+    _warm_up()
+    start = time.perf_counter()
+    if mechanism == "raw engine read":
+        for path in paths:
+            size = os.path.getsize(path)
+            memory = mmap.mmap(-1, -(-size // 4096) * 4096)
+            address = torch.frombuffer(memory, dtype=torch.uint8).data_ptr()
+            if common.raw_read(path, address, size, options, fresh_memory=True) != size:
+                raise EOFError(path)
+            torch.frombuffer(memory, dtype=torch.uint8, count=size).sum()
+        return {"seconds": time.perf_counter() - start}
+    import safetensors
+    import safetensors.torch
+
+    loaded = []
+    for path in paths:
+        if mechanism == "safetensors load_file (mmap)":
+            loaded.append(safetensors.torch.load_file(path))
+        elif mechanism == "safetensors safe_open (pread)":
+            with safetensors.safe_open(path, framework="pt", backend="pread") as f:
+                loaded.append({k: f.get_tensor(k) for k in f.keys()})
+        elif mechanism == "fastpersist load_file":
+            from fastpersist import safetensors as fst
+            from fastpersist.bench.common import options_for_load
+
+            with options_for_load(options):
+                loaded.append(fst.load_file(path))
+        else:
+            raise ValueError(f"unknown safetensors load {mechanism!r}")
+    for tensors in loaded:
+        common.touch_all(tensors)
+    return {"seconds": time.perf_counter() - start}
+
+
+_MEASURES = {"load": _load, "save": _save, "restart": _restart, "safetensors_load": _safetensors_load}
