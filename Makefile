@@ -2,7 +2,7 @@
 # machine (as root, or with sudo), then does its job.
 #   make bench   `fastpersist bench`: save and load of a ~2 GB model against vanilla torch and the raw
 #                engine, in a temporary folder under the current one (BENCH_ARGS=... passes options)
-#   make test    the test suite
+#   make test    the test suite, and every Python example in README.md and docs/
 #   make wheel   a manylinux wheel in dist/ that carries its engines (liburing and libaio linked from
 #                their static archives; ISA-L loaded at run time where installed), repaired and
 #                checked by auditwheel: pip install it on any Linux with glibc >= the tag's
@@ -62,7 +62,7 @@ wheel: deps
 
 # the site into site/; --strict: a broken link, a missing page or an unresolved reference fails it
 docs: deps
-	$(PYTHON) -m mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict --site-dir site
 
 # the same command as the `fastpersist` console script, with this interpreter
 bench: build
@@ -72,8 +72,9 @@ bench-model: build
 	$(PYTHON) benchmarks/torch_save_model.py --model gpt2-large --repeats 3
 	$(PYTHON) benchmarks/torch_load_model.py --model gpt2-large --repeats 3
 
+# README.md and docs/: their Python examples, run by Sybil (conftest.py)
 test: build
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q tests README.md docs
 
 # deps, not build: build would rebuild fastpersist/_engine_cffi*.so in place.
 # gcc's libasan and libubsan come with build-essential (gcc-N -> libgcc-N-dev).
