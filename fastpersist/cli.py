@@ -297,6 +297,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             from .bench import gpu as module
         elif command == "safetensors":
             from .bench import stfiles as module
+        elif command == "report":
+            from .bench import report as module
         else:
             from .bench import default as module
         return module.run(args)
@@ -407,7 +409,7 @@ def _add_bench_parser(commands) -> None:
                             "(default: auto)")
     _common_bench_arguments(bench, repeats=7)
     bench.set_defaults(func=_cmd_bench, bench_command=None)
-    kinds = bench.add_subparsers(dest="bench_command", metavar="{sweep,restart,small,gpu,safetensors}")
+    kinds = bench.add_subparsers(dest="bench_command", metavar="{sweep,restart,small,gpu,safetensors,report}")
 
     sweep = kinds.add_parser(
         "sweep", help="buffer size x buffers x queue depth x engine (x file size): GB/s, CSV and a plot",
@@ -494,6 +496,21 @@ def _add_bench_parser(commands) -> None:
                              help="size of the LoRA-like file in MB (default: 50)")
     _common_bench_arguments(safetensors, repeats=5)
     safetensors.set_defaults(func=_cmd_bench)
+    report = kinds.add_parser(
+        "report", help="render a stored --json result as a table (text or Markdown), with machine and date",
+        description="Render the JSON a `fastpersist bench ... --json PATH` run wrote as a table, with the machine, "
+                    "the date and the command. With --update, rewrite the generated tables in Markdown pages "
+                    "(the blocks between '<!-- fastpersist bench report FILE.json -->' and "
+                    "'<!-- end bench report -->'); with --check, only say which are stale (exit code 1).",
+        epilog="example: fastpersist bench report benchmarks/results/gpu-h200-2026-11-27-a.json --markdown")
+    report.add_argument("files", nargs="+", metavar="FILE",
+                        help="JSON files written by --json; with --update or --check, Markdown pages")
+    mode = report.add_mutually_exclusive_group()
+    mode.add_argument("--markdown", action="store_true", help="a Markdown table instead of text")
+    mode.add_argument("--update", action="store_true", help="rewrite the generated tables in the pages FILE ...")
+    mode.add_argument("--check", action="store_true",
+                      help="exit 1 if a generated table in the pages FILE ... is not what its JSON renders to")
+    report.set_defaults(func=_cmd_bench)
 
 
 # ---------------------------------------------------------------------------

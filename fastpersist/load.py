@@ -61,6 +61,31 @@ def load(f, map_location=None, pickle_module=None, *, weights_only: Optional[boo
     ``verify=True`` checks every record against the CRC-32 in the archive
     first and raises :class:`fastpersist.CheckpointError` on a mismatch (and
     for files saved without checksums, which cannot be verified).
+
+    Args:
+        f: a ``str`` or ``os.PathLike`` path (accelerated), or a file object
+            (handed to the original ``torch.load``).
+        map_location: as ``torch.load``'s: a device, a string, a dict or a
+            callable. CUDA devices are read into directly, buffer by buffer.
+        pickle_module: as ``torch.load``'s.
+        weights_only: as ``torch.load``'s (its default, its environment
+            variables, its allowlist and its refusals).
+        mmap: as ``torch.load``'s; ``True`` goes to the original ``torch.load``.
+        verify: check every record's CRC-32 before unpickling.
+        **pickle_load_args: as ``torch.load``'s.
+
+    Returns:
+        What ``torch.load`` returns for the same file and arguments.
+
+    Raises:
+        fastpersist.CheckpointError: the file is truncated, empty or corrupt
+            (names the file and the record), its pickle fails its CRC-32, or
+            ``verify`` found a mismatch.
+        OSError: reading failed (errno, path, engine, operation, offset).
+        pickle.UnpicklingError: ``weights_only`` refused the pickle, in
+            torch's own words.
+        RuntimeError: whatever ``torch.load`` raises for the same arguments
+            (an unknown device in ``map_location``, ...).
     """
     def delegate():
         if verify and _is_plain_path(f) and not mmap:
@@ -735,6 +760,35 @@ def load_into(target, f, *, strict: bool = True, verify: bool = False, weights_o
     ``verify=True`` also checks the CRC-32 of every record read; a mismatch
     raises CheckpointError after the read, and the target then holds the
     file's corrupt bytes.
+
+    Args:
+        target: an ``nn.Module`` (its ``state_dict()`` is filled) or a state
+            dict of tensors, possibly nested in dicts and lists.
+        f: a ``str`` or ``os.PathLike`` path; file objects are not taken.
+        strict: missing and unexpected keys are errors, as in
+            ``load_state_dict``.
+        verify: check every record's CRC-32 as it is read.
+        weights_only: unpickle the file's layout with torch's weights-only
+            unpickler (the default), as ``torch.load`` does.
+        **options: :class:`fastpersist.Options` fields for this call.
+
+    Returns:
+        ``IncompatibleKeys(missing_keys, unexpected_keys)``, as
+        ``load_state_dict`` returns.
+
+    Raises:
+        RuntimeError: keys (with ``strict``), shapes or dtypes do not match;
+            all mismatches in one message, and the target is untouched.
+        TypeError: ``target`` is neither a module nor a state dict, holds
+            tensors in a container other than dicts and lists, or ``f`` is not
+            a path.
+        ValueError: ``target`` holds itself (a cycle), or its shared
+            containers expand to more keys than the bound allows.
+        fastpersist.CheckpointError: the file is not a zip checkpoint of
+            ``torch.save`` 1.6 or later, is truncated or corrupt (the
+            target is untouched), or ``verify`` found a mismatch (after the
+            read).
+        OSError: reading failed (errno, path, engine, operation, offset).
     """
     import torch
 

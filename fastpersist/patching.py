@@ -56,6 +56,14 @@ def patch(*, safetensors: Optional[bool] = None, **options) -> None:
     every patched save and load; unset ones come from ``FASTPERSIST_*`` variables.
     ``safetensors``: route safetensors too (default: FASTPERSIST_SAFETENSORS, on).
     Calling it again replaces the options; it is harmless to call twice.
+
+    Args:
+        **options: :class:`fastpersist.Options` fields, the defaults of every
+            patched ``torch.save`` and ``torch.load`` until the next ``patch``
+            or ``unpatch``.
+
+    Raises:
+        ValueError: an option is unknown or out of range; nothing is patched.
     """
     opts = from_environment().replace(**options)  # raises on bad options before changing anything
     if safetensors is None:
@@ -89,6 +97,8 @@ def unpatch() -> None:
 
 
 def is_patched() -> bool:
+    """True while ``torch.save`` and ``torch.load`` (and their
+    ``torch.serialization`` names) are fastpersist's."""
     return (torch.save is _fast_save and torch.serialization.save is _fast_save
             and torch.load is _fast_load and torch.serialization.load is _fast_load)
 

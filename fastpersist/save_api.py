@@ -41,6 +41,40 @@ def save(obj, f, pickle_module=pickle, pickle_protocol: int = _torch_api.DEFAULT
 
     Keyword options (see :class:`fastpersist.Options`) override those of
     ``fastpersist.patch()`` and the ``FASTPERSIST_*`` environment variables.
+
+    Args:
+        obj: what to save: a state dict, a checkpoint dict, any object
+            ``torch.save`` takes. Tensors on a GPU are streamed from the device.
+        f: the destination: a ``str`` or ``os.PathLike`` path (accelerated), or
+            a file object (handed to the original ``torch.save``).
+        pickle_module: as ``torch.save``'s; one without a ``Pickler`` goes to
+            the original ``torch.save``.
+        pickle_protocol: as ``torch.save``'s.
+        _use_new_zipfile_serialization: as ``torch.save``'s; ``False`` goes to
+            the original ``torch.save``.
+        _disable_byteorder_record: as ``torch.save``'s.
+        group: a ``torch.distributed`` process group whose ranks all save the
+            same state into the one file, or None.
+        **options: :class:`fastpersist.Options` fields for this call
+            (``engine``, ``buffer_size``, ``fsync``, ``atomic``, ...).
+
+    Raises:
+        ValueError: an option is unknown or out of range, or a setting of
+            torch's the format cannot honour (``storage_alignment`` > 65536).
+        OSError: the write failed; carries errno, the destination path, the
+            engine, the operation and the file offset. The previous file is
+            untouched (with ``atomic``, the default) and no temporary is left.
+        TypeError: ``group`` was given with a target that is not a path.
+        fastpersist.distributed.PartitionedSaveError: with ``group``, a step
+            failed on some rank; raised on every rank
+            (:class:`~fastpersist.distributed.ReplicaMismatchError` when the
+            ranks' tensors differ).
+        Exception: whatever torch's pickling of ``obj`` raises, unchanged.
+
+    Guarantees: the file is byte for byte what ``torch.save`` writes but the
+    random serialization id; with the defaults, the destination names the old
+    or the new complete checkpoint at every instant, and the new one is
+    durable (file and folder fsynced) when ``save`` returns.
     """
     opts = current_options().replace(**options)
     reason = _single.not_accelerated_because(f, pickle_module, _use_new_zipfile_serialization)

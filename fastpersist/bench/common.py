@@ -13,6 +13,7 @@ import contextlib
 import csv
 import ctypes
 import dataclasses
+import datetime
 import json
 import math
 import mmap
@@ -739,6 +740,9 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], right: Iterable
 
 
 def write_json(path: str, document: dict) -> None:
+    """The document, with the run's date (UTC) first, as `fastpersist bench report` reads it."""
+    document = {"benchmark": document.get("benchmark"),
+                "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), **document}
     try:
         with open(path, "w", encoding="utf-8") as fh:
             json.dump(document, fh, indent=2, default=str)
