@@ -227,4 +227,30 @@ def _libc():
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     return libc
+
+
+def cached_fraction(fd: int, size: int) -> "float | None":
+    """The fraction of an open file's first size bytes in the page cache
+    (mincore over a read-only shared mapping of them, made and unmade here),
+    or None where it cannot be told."""
+    import ctypes
+    import mmap
+
+    if size <= 0:
+        return 0.0
+    libc = _libc()
+    address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if address in (None, ctypes.c_void_p(-1).value):
+        return None
+    try:
+        pages = -(-size // mmap.PAGESIZE)
+        resident = ctypes.create_string_buffer(pages)
+        if libc.mincore(address, size, resident) != 0:
+            return None
+        return sum(b & 1 for b in resident.raw) / pages
+    finally:
+        libc.munmap(address, size)

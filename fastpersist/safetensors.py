@@ -374,7 +374,7 @@ def load_file(filename, device="cpu") -> Dict[str, torch.Tensor]:
         size = os.fstat(fd).st_size
         header = Header.read(fd, path, size)
         if target.type == "cpu":
-            image = _CheckpointImage(path, fd, size, None, opts)
+            image = _CheckpointImage(path, fd, size, None, opts, read_cached_through_page_cache=True)
             fd = -1  # the image closes it
             with image:
                 image.start_reading()

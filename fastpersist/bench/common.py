@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import ctypes
 import dataclasses
 import datetime
 import json
 import math
-import mmap
 import os
 import platform
 import random
@@ -123,37 +121,16 @@ def wait_for_background_work() -> None:
 # the page cache
 
 
-_PROT_READ, _MAP_SHARED = 0x1, 0x01
 
 
 def cached_fraction(path: str) -> Optional[float]:
     """The fraction of path's pages in the page cache (mincore), or None
     where it cannot be told."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_long]
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    except (OSError, AttributeError):
-        return None
+    from fastpersist.fileio import cached_fraction as of_open_file
+
     fd = os.open(path, os.O_RDONLY)
     try:
-        size = os.fstat(fd).st_size
-        if size == 0:
-            return 0.0
-        address = libc.mmap(None, size, _PROT_READ, _MAP_SHARED, fd, 0)
-        if address in (None, ctypes.c_void_p(-1).value):
-            return None
-        try:
-            pages = -(-size // mmap.PAGESIZE)
-            vector = ctypes.create_string_buffer(pages)
-            if libc.mincore(address, size, vector) != 0:
-                return None
-            return sum(b & 1 for b in vector.raw) / pages
-        finally:
-            libc.munmap(address, size)
+        return of_open_file(fd, os.fstat(fd).st_size)
     finally:
         os.close(fd)
 
