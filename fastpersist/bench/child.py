@@ -251,7 +251,9 @@ def _safetensors_load(spec: dict) -> dict:
             address = torch.frombuffer(memory, dtype=torch.uint8).data_ptr()
             if common.raw_read(path, address, size, options, fresh_memory=True) != size:
                 raise EOFError(path)
-            torch.frombuffer(memory, dtype=torch.uint8, count=size).sum()
+            # touched as the loads' tensors are summed: in their dtype (a uint8 sum runs ~200x slower)
+            dtype = getattr(torch, spec.get("dtype", "bfloat16"))
+            torch.frombuffer(memory, dtype=dtype, count=size // dtype.itemsize).sum()
         return {"seconds": time.perf_counter() - start}
     import safetensors
     import safetensors.torch

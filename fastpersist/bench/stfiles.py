@@ -123,7 +123,7 @@ class SafetensorsBench:
         paths = self.files[label]
         self.dropper.drop(*paths)
         result = self.fresh.run({"kind": "safetensors_load", "mechanism": mechanism, "paths": paths,
-                                 "options": dataclasses.asdict(self.options)})
+                                 "options": dataclasses.asdict(self.options), "dtype": self.args.dtype})
         return result["seconds"]
 
     def warm_load(self, label: str, mechanism: str) -> float:
