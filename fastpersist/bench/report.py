@@ -99,6 +99,7 @@ def _columns(document: dict) -> list:
     """(header, key or function, right-aligned) for the columns this document's rows fill."""
     rows = document["results"]
     gpu = document["benchmark"] == "fastpersist bench gpu"
+    reference = "× reference" if gpu else "× safetensors" if _is_safetensors(document) else "× torch"
 
     def present(key: str) -> bool:
         return any(row.get(key) not in (None, "-", "", {}) for row in rows)
@@ -111,13 +112,13 @@ def _columns(document: dict) -> list:
         ("buffers", "num_buffers", True), ("queue depth", "queue_depth", True),
         ("median s", lambda r: f"{r['median_s']:.3f}", True),
         ("GB/s", lambda r: common.fmt(r.get("gb_per_s")), True),
-        ("× reference" if gpu else "× torch", lambda r: common.fmt(r.get("x_vanilla")), True),
+        (reference, lambda r: common.fmt(r.get("x_vanilla")), True),
         ("× ceiling", lambda r: common.fmt(r.get("x_ceiling")), True),
         ("peak host MiB", lambda r: common.fmt(r.get("peak_host_mib"), 0), True),
         ("durable s", lambda r: common.fmt(r.get("durable_median_s"), 3), True),
     ]
     keys = {"MB": "file_bytes", "buffer MiB": "buffer_size", "median s": "median_s", "GB/s": "gb_per_s",
-            "× reference": "x_vanilla", "× torch": "x_vanilla", "× ceiling": "x_ceiling",
+            "× reference": "x_vanilla", "× torch": "x_vanilla", "× safetensors": "x_vanilla", "× ceiling": "x_ceiling",
             "peak host MiB": "peak_host_mib", "durable s": "durable_median_s"}
     return [(header, get, right) for header, get, right in candidates
             if present(get if isinstance(get, str) else keys[header])]
@@ -131,7 +132,15 @@ def _cells(document: dict) -> tuple:
     return [header for header, _, _ in columns], body, [i for i, (_, _, right) in enumerate(columns) if right]
 
 
+def _is_safetensors(document: dict) -> bool:
+    return document["benchmark"] == "fastpersist bench safetensors"
+
+
 def notes(document: dict) -> list:
+    if _is_safetensors(document):
+        return ["× safetensors: safetensors' time (save_file + fsync; load_file, its mmap backend) over this one in "
+                "the same round, median over rounds; × ceiling: the raw engine's time over this one. Cold loads: "
+                "each in a fresh process, the files dropped from the page cache, every byte touched."]
     if document["benchmark"] == "fastpersist bench gpu":
         return ["× reference: torch's time over this one in the same round (for save_async: one device-to-host "
                 "copy_ of the state), median over rounds; × ceiling: the raw engine's time over this one; "
