@@ -494,17 +494,23 @@ class _CheckpointImage:
     def as_storage(self):
         """The file's bytes as one storage. When the last tensor sliced from
         it dies, the memory goes to _freed_images, kept briefly for the next load."""
+        import torch
+
+        return torch.frombuffer(self.as_buffer(), dtype=torch.uint8, count=self.size).untyped_storage()
+
+    def as_buffer(self):
+        """The file's bytes as a buffer object: storages made over parts of it
+        (torch.frombuffer) keep it alive; when the last of them dies, the
+        memory goes to _freed_images."""
         import ctypes
         import weakref
-
-        import torch
 
         owner = (ctypes.c_ubyte * len(self.memory)).from_buffer(self.memory)
         self._storage_made = True
         # Not at exit: then owner may still be alive, its tensors in use by
         # exit handlers, and a load there must not be handed their memory.
         weakref.finalize(owner, _result_died, self.memory).atexit = False
-        return torch.frombuffer(owner, dtype=torch.uint8, count=self.size).untyped_storage()
+        return owner
 
     def verify(self) -> None:
         """Every record's CRC-32 against the central directory's."""

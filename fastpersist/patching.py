@@ -50,7 +50,8 @@ def patch(*, safetensors: Optional[bool] = None, **options) -> None:
     write and read through fastpersist; and, where safetensors is installed,
     ``safetensors.torch.save_file``, ``load_file`` and ``safe_open``
     (fastpersist.safetensors), wherever a module imported before this call
-    bound them to its own names (as transformers and accelerate do).
+    bound them to its own names (as transformers and accelerate do: a name
+    that contains the function's own, such as ``safe_save_file``).
 
     ``options`` (see :class:`fastpersist.Options`) become the defaults of
     every patched save and load; unset ones come from ``FASTPERSIST_*`` variables.
@@ -127,6 +128,11 @@ def _safetensors_replacements() -> dict:
     return {id(original): (original, replacement) for original, replacement in pairs}
 
 
+# modules of safetensors that bind safe_open for another framework (or define it): theirs to keep
+_SAFETENSORS_KEEP = ("safetensors._safetensors_rust", "safetensors.numpy", "safetensors.flax", "safetensors.tensorflow",
+                     "safetensors.mlx", "safetensors.paddle")
+
+
 def _route_safetensors() -> None:
     """Rebinds safetensors' save_file, load_file and safe_open to
     fastpersist's in every loaded module that holds them, safetensors'
@@ -136,20 +142,42 @@ def _route_safetensors() -> None:
         return
     for module in list(sys.modules.values()):
         names = getattr(module, "__dict__", None)
-        if not isinstance(names, dict) or getattr(module, "__name__", "").startswith("fastpersist"):
+        module_name = getattr(module, "__name__", None)
+        if not isinstance(names, dict) or not isinstance(module_name, str) or \
+                module_name.startswith("fastpersist") or module_name in _SAFETENSORS_KEEP:
             continue
         for name, value in list(names.items()):
             found = replacements.get(id(value))
-            if found is not None and value is found[0]:
+            if found is not None and value is found[0] and _is_a_binding_of(name, found[0]):
                 names[name] = found[1]
                 _routed.append((module, name, found[0], found[1]))
 
 
+def _is_a_binding_of(name: str, original) -> bool:
+    """Whether a module attribute holding original is an import of it
+    (``safe_open``, ``safe_save_file``, ``safe_load_file``), not a variable
+    that keeps the original on purpose (``ORIGINAL_SAVE_FILE``,
+    safetensors' ``_fastpersist_original_*``)."""
+    return original.__name__ in name and not name.startswith("_fastpersist_original_")
+
+
 def _restore_safetensors() -> None:
-    while _routed:
-        module, name, original, replacement = _routed.pop()
-        if module.__dict__.get(name) is replacement:
-            module.__dict__[name] = original
+    """Puts the originals back wherever fastpersist's are bound, modules
+    imported after patch() included."""
+    had = bool(_routed)
+    _routed.clear()
+    if not had:
+        return
+    originals = {id(new): (new, old) for old, new in _safetensors_replacements().values()}
+    for module in list(sys.modules.values()):
+        names = getattr(module, "__dict__", None)
+        module_name = getattr(module, "__name__", None)
+        if not isinstance(names, dict) or not isinstance(module_name, str) or module_name.startswith("fastpersist"):
+            continue
+        for name, value in list(names.items()):
+            found = originals.get(id(value))
+            if found is not None and value is found[0]:
+                names[name] = found[1]
 
 
 def safetensors_patched() -> bool:

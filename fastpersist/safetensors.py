@@ -166,7 +166,7 @@ class Header:
         _, dtypes, _ = _dtype_table()
         entries = []
         for name, info in parsed.items():
-            if not isinstance(info, dict) or set(info) - {"dtype", "shape", "data_offsets"} or len(info) != 3:
+            if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
                 raise SafetensorsFileError(f"{path}: tensor {name!r}: expected dtype, shape and data_offsets, "
                                            f"got {info!r}")
             dtype = dtypes.get(info["dtype"])
@@ -174,7 +174,7 @@ class Header:
                 raise SafetensorsFileError(f"{path}: tensor {name!r} has dtype {info['dtype']!r}, which this "
                                            "torch cannot hold")
             shape, offsets = info["shape"], info["data_offsets"]
-            if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            if not (isinstance(shape, list) and all(type(d) is int and 0 <= d < 1 << 63 for d in shape)):
                 raise SafetensorsFileError(f"{path}: tensor {name!r}: bad shape {shape!r}")
             if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
                     and 0 <= offsets[0] <= offsets[1]):
@@ -182,7 +182,12 @@ class Header:
             elements = 1
             for d in shape:
                 elements *= d
+            if elements >= 1 << 63:
+                raise SafetensorsFileError(f"{path}: tensor {name!r}: shape {shape} has more elements than any file")
             packed = _PACKED.get(info["dtype"], 1)
+            if packed > 1 and (not shape or shape[-1] % packed):
+                raise SafetensorsFileError(f"{path}: tensor {name!r}: {info['dtype']} packs {packed} values a byte: "
+                                           f"its last dimension must be a multiple of {packed}, shape {shape}")
             if elements % packed or (elements // packed) * dtype.itemsize != offsets[1] - offsets[0]:
                 raise SafetensorsFileError(
                     f"{path}: tensor {name!r}: shape {shape} of {info['dtype']} needs "
@@ -219,7 +224,10 @@ def header_bytes(tensors: Dict[str, torch.Tensor], metadata: Optional[Dict[str, 
         dtype_name = names[t.dtype]
         shape = list(t.shape)
         packed = _PACKED.get(dtype_name, 1)
-        if packed > 1 and shape:
+        if packed > 1:
+            if not shape:
+                raise ValueError(f"tensor {k!r}: a 0-d {t.dtype} tensor cannot be stored ({dtype_name} packs "
+                                 f"{packed} values a byte along the last dimension)")
             shape[-1] *= packed
         nbytes = t.numel() * t.element_size()
         parts.append(f'{_json(k)}:{{"dtype":"{dtype_name}","shape":{_json(shape)},"data_offsets":[{offset},'
@@ -262,10 +270,10 @@ def _check_for_save(tensors, metadata) -> None:
                 " save only the full tensors, and reslice at load time, or simply call `.contiguous()` on your"
                 " tensor to pack it before saving.")
         if not isinstance(k, str):
-            raise ValueError(f"tensor names must be strings, got {k!r}")
+            raise TypeError(f"tensor names must be strings, got {k!r}")
     if metadata is not None and not (isinstance(metadata, dict) and
                                      all(isinstance(a, str) and isinstance(b, str) for a, b in metadata.items())):
-        raise ValueError(f"metadata must be a dict of strings to strings, got {metadata!r}")
+        raise TypeError(f"metadata must be a dict of strings to strings, got {metadata!r}")
 
 
 def _own_checks(tensors) -> None:
@@ -342,26 +350,29 @@ def save(tensors: Dict[str, torch.Tensor], metadata: Optional[Dict[str, str]] = 
 # loading
 
 
-def _tensor_at(storage, entry: _Entry, data_start: int):
-    """entry's tensor as a view of storage (the whole file's bytes), or a
-    copy where its offset does not suit its dtype's alignment."""
+def _tensor_at(buffer, entry: _Entry, data_start: int):
+    """entry's tensor over its bytes of buffer (the whole file's), with a
+    storage of its own (so that torch.save of one tensor, or a check for
+    tensors sharing memory, sees its bytes, not the file's); a copy where
+    its offset does not suit its dtype's alignment."""
     offset = data_start + entry.begin
     if not entry.nbytes:
         return torch.empty(entry.shape, dtype=entry.dtype)
-    byte_view = torch.empty(0, dtype=torch.uint8).set_(storage, offset, (entry.nbytes,))
+    byte_view = torch.frombuffer(buffer, dtype=torch.uint8, count=entry.nbytes, offset=offset)
     if offset % entry.dtype.itemsize:
         byte_view = byte_view.clone()
     return byte_view.view(entry.dtype).view(entry.shape)
 
 
-def load_file(filename, device="cpu") -> Dict[str, torch.Tensor]:
+def load_file(filename, device="cpu", *, backend: Optional[str] = None) -> Dict[str, torch.Tensor]:
     """The file's tensors, as ``safetensors.torch.load_file`` returns them.
     On the CPU: read with the engine into one allocation, the tensors views
     of it (freed when the last of them dies). On a GPU (``device="cuda"``,
     ``"cuda:1"``, an int, a torch.device): each tensor allocated there and
     filled from the engine's buffers, no host copy of the file.
     Raises SafetensorsFileError for a file that is not a sound safetensors
-    file (nothing is returned from it)."""
+    file (nothing is returned from it). ``backend`` (safetensors' choice
+    of mmap or pread) is accepted and ignored: the engine reads."""
     from . import device_io
     from .fileio import reading_engine
     from .load import _CheckpointImage
@@ -379,8 +390,8 @@ def load_file(filename, device="cpu") -> Dict[str, torch.Tensor]:
             with image:
                 image.start_reading()
                 image.finish_reading(resolve=False)
-                storage = image.as_storage()
-            return {k: _tensor_at(storage, e, header.data_start) for k, e in header.entries.items()}
+                buffer = image.as_buffer()
+            return {k: _tensor_at(buffer, e, header.data_start) for k, e in header.entries.items()}
         out = {k: torch.empty(e.shape, dtype=e.dtype, device=target) for k, e in header.entries.items()}
         pieces = [device_io.Piece(header.data_start + e.begin, e.nbytes, device_io.byte_view(out[k].untyped_storage()))
                   for k, e in header.entries.items() if e.nbytes]
@@ -406,17 +417,20 @@ def load(data: bytes) -> Dict[str, torch.Tensor]:
     if n > HEADER_LIMIT or 8 + n > len(data):
         raise SafetensorsFileError(f"<bytes>: a header of {n} bytes does not fit in {len(data)} bytes")
     header = Header.parse(data[8:8 + n], "<bytes>", len(data))
-    storage = torch.frombuffer(bytearray(data), dtype=torch.uint8).untyped_storage() if data else None
-    return {k: _tensor_at(storage, e, header.data_start) for k, e in header.entries.items()}
+    buffer = bytearray(data)
+    return {k: _tensor_at(buffer, e, header.data_start) for k, e in header.entries.items()}
 
 
 def _device_of(device) -> torch.device:
-    if isinstance(device, int):
-        return torch.device("cuda", device)
-    target = torch.device(device)
+    target = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     if target.type not in ("cpu", "cuda"):
         raise ValueError(f"fastpersist.safetensors loads to the CPU or a CUDA device, not {device!r}")
+    if target.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device={device!r}: no CUDA device is usable here (torch.cuda.is_available() is False)")
     return target
+
+
+_TORCH_FRAMEWORKS = ("pt", "torch", "pytorch")
 
 
 class safe_open:  # noqa: N801 - safetensors' name
@@ -424,14 +438,22 @@ class safe_open:  # noqa: N801 - safetensors' name
     ``safetensors.safe_open``: ``keys()``, ``metadata()``, ``get_tensor(name)``,
     ``get_slice(name)``; a context manager. Only the header is read when
     opened; each tensor when asked for (the rows a slice of its first
-    dimension needs, where that is all it needs). ``framework`` must be "pt"
-    ("torch" accepted); ``backend`` is accepted and ignored (the engine
-    reads)."""
+    dimension needs, where that is all it needs). Other frameworks than
+    torch ("np", "flax", ...) are handed to safetensors' own safe_open;
+    ``backend`` is accepted and ignored (the engine reads)."""
+
+    def __new__(cls, filename, framework: str = "pt", device="cpu", backend: Optional[str] = None):
+        if framework not in _TORCH_FRAMEWORKS:  # numpy, flax, ...: safetensors' own, untouched
+            import safetensors
+
+            original = getattr(safetensors, "_fastpersist_original_safe_open", safetensors.safe_open)
+            if original is cls:
+                raise ValueError(f"fastpersist.safetensors.safe_open reads torch tensors, not {framework!r}")
+            kwargs = {} if backend is None else {"backend": backend}
+            return original(filename, framework=framework, device=device, **kwargs)
+        return super().__new__(cls)
 
     def __init__(self, filename, framework: str = "pt", device="cpu", backend: Optional[str] = None):
-        if framework not in ("pt", "torch", "pytorch"):
-            raise ValueError(f"fastpersist.safetensors.safe_open reads torch tensors (framework='pt'), not "
-                             f"{framework!r}")
         self.path = os.fspath(filename)
         self.device = _device_of(device)
         self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
@@ -470,7 +492,7 @@ class safe_open:  # noqa: N801 - safetensors' name
 
     def _entry(self, name: str) -> _Entry:
         if self._fd < 0:
-            raise OSError(f"{self.path}: read after the file was closed")
+            raise SafetensorsFileError(f"{self.path}: File is closed")
         entry = self._header.entries.get(name)
         if entry is None:
             raise KeyError(f"File does not contain tensor {name}")
@@ -480,8 +502,20 @@ class safe_open:  # noqa: N801 - safetensors' name
         entry = self._entry(name)
         return self._read(entry, 0, entry.shape[0] if entry.shape else 1)
 
+    def get_tensors(self) -> Dict[str, torch.Tensor]:
+        return {k: self.get_tensor(k) for k in self.offset_keys()}
+
     def get_slice(self, name: str) -> "_Slice":
         return _Slice(self, self._entry(name))
+
+    def _reopened(self) -> "safe_open":
+        """This file, open again (a slice indexed after its file was closed,
+        as safetensors allows)."""
+        again = safe_open.__new__(safe_open, self.path)
+        again.path, again.device, again._header = self.path, self.device, self._header
+        again._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        again._size = self._size
+        return again
 
     def _read(self, entry: _Entry, first: int, stop: int) -> torch.Tensor:
         """Rows [first, stop) of entry's first dimension (the whole tensor
@@ -522,7 +556,11 @@ class _Slice:
         self._file, self._entry = opened, entry
 
     def get_shape(self) -> list:
-        return list(self._entry.shape)
+        shape = list(self._entry.shape)  # as the header says: a packed dtype's last dimension in values
+        packed = _PACKED.get(self.get_dtype(), 1)
+        if packed > 1 and shape:
+            shape[-1] *= packed
+        return shape
 
     def get_dtype(self) -> str:
         names, _, _ = _dtype_table()
@@ -534,6 +572,9 @@ class _Slice:
         return self._entry.shape[0]
 
     def __getitem__(self, index):
+        if self._file._fd < 0:  # the file was closed after this slice was taken
+            with self._file._reopened() as again:
+                return _Slice(again, self._entry)[index]
         shape = self._entry.shape
         parts = index if isinstance(index, tuple) else (index,)
         first = parts[0] if parts else Ellipsis

@@ -185,9 +185,83 @@ def test_refusals_are_safetensors_own(tmp_path, what):
 def test_what_safetensors_cannot_store_is_named(tmp_path):
     with pytest.raises(ValueError, match="'c' has dtype torch.complex128"):
         fst.save_file({"c": torch.zeros(2, dtype=torch.complex128)}, tmp_path / "c.safetensors")
-    with pytest.raises(ValueError, match="metadata must be a dict of strings"):
+    with pytest.raises(TypeError, match="metadata must be a dict of strings"):
         fst.save_file({"a": torch.zeros(2)}, tmp_path / "c.safetensors", metadata={"step": 3})
+    with pytest.raises(ValueError, match="0-d torch.float4_e2m1fn_x2 tensor cannot be stored"):
+        fst.save_file({"f": torch.tensor(3, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)}, tmp_path / "f.safetensors")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_references_are_safetensors_own():
+    """The originals these tests compare with are safetensors' functions,
+    whatever the patch did (else fastpersist would be compared with itself)."""
+    assert ORIGINAL_SAVE_FILE.__module__ == ORIGINAL_LOAD_FILE.__module__ == "safetensors.torch"
+    assert ORIGINAL_SAFE_OPEN.__module__ in ("builtins", "safetensors._safetensors_rust")
+    was = fastpersist.is_patched()
+    fastpersist.patch()
+    try:
+        assert st._fastpersist_original_save_file is ORIGINAL_SAVE_FILE
+        assert safetensors._fastpersist_original_safe_open is ORIGINAL_SAFE_OPEN
+    finally:
+        fastpersist.patch() if was else fastpersist.unpatch()
+
+
+def test_loaded_tensors_have_storages_of_their_own(tmp_path):
+    """Views of one image, each with its own storage: torch.save of one of
+    them writes its bytes, not the file's, and no two share memory."""
+    import io
+
+    path = tmp_path / "m.safetensors"
+    fst.save_file({"small": torch.arange(10.0), "big": torch.randn(300_000)}, path)
+    loaded = fst.load_file(path)
+    assert loaded["small"].untyped_storage().nbytes() == 40
+    buffer = io.BytesIO()
+    torch.save(loaded["small"], buffer)
+    assert len(buffer.getvalue()) < 4096
+    assert loaded["small"].untyped_storage().data_ptr() != loaded["big"].untyped_storage().data_ptr()
+
+
+def test_other_frameworks_stay_safetensors(tmp_path):
+    np_reader = pytest.importorskip("safetensors.numpy")
+    import numpy
+
+    was = fastpersist.is_patched()
+    fastpersist.patch()
+    try:
+        np_reader.save_file({"a": numpy.arange(5, dtype=numpy.float32)}, str(tmp_path / "n.safetensors"))
+        assert numpy.array_equal(np_reader.load_file(str(tmp_path / "n.safetensors"))["a"], numpy.arange(5))
+        with safetensors.safe_open(str(tmp_path / "n.safetensors"), framework="np") as f:  # fastpersist's name
+            assert numpy.array_equal(f.get_tensor("a"), numpy.arange(5))
+    finally:
+        fastpersist.patch() if was else fastpersist.unpatch()
+
+
+def test_what_safetensors_callers_pass_is_taken(tmp_path):
+    path = tmp_path / "c.safetensors"
+    tensors = {"a": torch.arange(6.0).reshape(2, 3), "f4": torch.arange(4, dtype=torch.uint8).view(
+        torch.float4_e2m1fn_x2).reshape(2, 2)}
+    fst.save_file(tensors, path)
+    assert_same(fst.load_file(path, backend="pread"), tensors)
+    with fst.safe_open(path, framework="pt") as ours, ORIGINAL_SAFE_OPEN(str(path), framework="pt") as theirs:
+        assert_same(ours.get_tensors(), tensors)
+        assert ours.get_slice("f4").get_shape() == theirs.get_slice("f4").get_shape() == [2, 4]
+        rows = ours.get_slice("a")
+    assert torch.equal(rows[1:], tensors["a"][1:])  # a slice outlives its file's `with`, as safetensors' does
+    with pytest.raises(SafetensorsFileError, match="File is closed"):
+        ours.get_tensor("a")
+    if not torch.cuda.is_available():
+        for device in ("cuda", "cuda:0", 0):
+            with pytest.raises(RuntimeError, match="no CUDA device is usable here"):
+                fst.load_file(path, device=device)
+
+
+def test_unpatch_restores_modules_imported_after_patch():
+    pytest.importorskip("transformers")
+    script = ("import fastpersist, transformers.modeling_utils as m; fastpersist.unpatch(); "
+              "print(m.safe_open.__module__, m.safe_save_file.__module__)")
+    out = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, FASTPERSIST_AUTOPATCH="1"),
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[-2] == "builtins safetensors.torch"
 
 
 # ---------------------------------------------------------------------------
@@ -243,6 +317,16 @@ def _broken(kind: str) -> bytes:
     if kind == "negative dimension":
         header["a"]["shape"] = [-6]
         return _with_header(header, data)
+    if kind == "F4 odd last dimension":
+        return _with_header({"f": {"dtype": "F4", "shape": [2, 3], "data_offsets": [0, 3]}}, b"\0" * 3)
+    if kind == "F4 too few bytes":
+        return _with_header({"f": {"dtype": "F4", "shape": [2, 1], "data_offsets": [0, 1]}}, b"\0")
+    if kind == "shape overflows":
+        header["a"]["shape"] = [2 ** 32, 2 ** 32, 0]
+        return _with_header(header, data)
+    if kind == "dimension past 64 bits":
+        header["a"]["shape"] = [2 ** 64, 0]
+        return _with_header(header, data)
     if kind == "metadata not strings":
         header["__metadata__"] = {"step": 3}
         return _with_header(header, data)
@@ -251,7 +335,8 @@ def _broken(kind: str) -> bytes:
 
 BROKEN = ["truncated", "extended", "too short", "header beyond the file", "huge header length", "not json",
           "not an object", "hole", "overlap", "unknown dtype", "shape disagrees", "negative dimension",
-          "metadata not strings"]
+          "metadata not strings", "F4 odd last dimension", "F4 too few bytes", "shape overflows",
+          "dimension past 64 bits"]
 
 
 @pytest.mark.parametrize("kind", BROKEN)
