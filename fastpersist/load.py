@@ -151,7 +151,7 @@ def load(f, map_location=None, pickle_module=None, *, weights_only: Optional[boo
             # instead of 2.4 ms here). Read again below, from the page cache.
             image.prefetch_pickle()
         image.start_reading()
-        reader = TorchArchiveReader(image.index, image.read_at, image.as_storage(), path)
+        reader = TorchArchiveReader(image.index, image.read_at, image.as_storage(), path, image.read_file_into)
         result = _NOT_LOADED
         if plain:
             # while the file is read: the tensors are views of the memory being filled
@@ -490,6 +490,15 @@ class _CheckpointImage:
         if self.view is None:
             return os.pread(self.fd, n, offset)
         return bytes(self.view[offset:offset + n])
+
+    def read_file_into(self, address: int, offset: int, nbytes: int) -> None:
+        """The file's bytes at offset into memory at address (not the image's,
+        which torch may have byteswapped in place)."""
+        try:
+            read_extents_through_page_cache(self.fd, self.path, [(address, offset, nbytes)], False)
+        except EOFError:
+            raise CheckpointError(f"{self.path}: the file ended before its {self.size} bytes were read "
+                                  "(did it shrink while being read?)") from None
 
     def as_storage(self):
         """The file's bytes as one storage. When the last tensor sliced from
