@@ -1054,12 +1054,22 @@ class _Plan:
             extents += [(tmp.data_ptr(), offset, nbytes) for (offset, nbytes), tmp in temporaries.items()]
             checksums = self._read(image, extents, verify)
         with torch.no_grad():
-            swapped = set()
+            # A storage is swapped by its dtype; torch.load swaps each key's copy by the dtype the key
+            # is first read as (the layout gives later references that one): a record read under two
+            # keys as different dtypes needs a copy swapped each way.
+            swap_dtypes: dict = {}  # (offset, nbytes) -> {dtype}
+            for offset, nbytes, meta, _ in self.staged if self.swap else ():
+                swap_dtypes.setdefault((offset, nbytes), set()).add(meta.dtype)
+            swapped: dict = {}  # (offset, nbytes, dtype) -> the storage in this machine's byte order
             for offset, nbytes, meta, dst in self.staged:
                 storage = temporaries[offset, nbytes].untyped_storage()
-                if self.swap and (offset, nbytes) not in swapped:
-                    storage.byteswap(meta.dtype)
-                    swapped.add((offset, nbytes))
+                if self.swap:
+                    in_order = swapped.get((offset, nbytes, meta.dtype))
+                    if in_order is None:
+                        in_order = storage if len(swap_dtypes[offset, nbytes]) == 1 else storage.clone()
+                        in_order.byteswap(meta.dtype)
+                        swapped[offset, nbytes, meta.dtype] = in_order
+                    storage = in_order
                 view = torch.empty(0, dtype=meta.dtype, device=storage.device).set_(
                     storage, meta.storage_offset(), meta.shape, meta.stride())
                 metadata = _torch_api.tensor_metadata(meta)

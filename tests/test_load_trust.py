@@ -444,7 +444,8 @@ def test_a_big_endian_record_read_under_two_keys_is_swapped_once_for_each(folder
     """miniz finds records whatever their ASCII case, so keys "ab", "AB" and
     "Ab" all read record data/ab. torch.load reads each key into memory of
     its own and swaps it there; fastpersist handed out slices of one image,
-    swapped in place once per key (so twice, as torch.load(mmap=True) does)."""
+    swapped in place once per key (so twice, as torch.load(mmap=True) does),
+    and load_into swapped the record once, by the first key's dtype."""
     values = [1.0, -2.0, 3.5, 4.25]
     records = {"ab": struct.pack(">4f", *values)}  # a big-endian file: its storages are big-endian
     pickled = program(state(a=tensor("ab"), b=tensor("AB"),
@@ -458,6 +459,9 @@ def test_a_big_endian_record_read_under_two_keys_is_swapped_once_for_each(folder
     expected = original_load()(path)
     assert expected["a"].tolist() == values and expected["b"].tolist() == values
     assert expected["c"].tolist() == list(struct.unpack(">8h", records["ab"]))
+    target = {"a": torch.zeros(4), "b": torch.zeros(4), "c": torch.zeros(8, dtype=torch.int16)}
+    fastpersist.load_into(target, path)
+    assert same_values(target, expected)
 
 
 def test_an_empty_record_read_as_two_dtypes_gives_each_its_own(folder):
