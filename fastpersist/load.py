@@ -931,9 +931,16 @@ def _layout(image: _CheckpointImage, reader: TorchArchiveReader, weights_only: b
     if ahead is not None:
         ahead.close()
     image.index.resolve(image.read_at)  # lenient: a record torch would refuse raises where it is used
+
+    def check(key, nbytes: int) -> None:  # every storage, restored or not: torch.load reads them all
+        reader._check_size(image.index.entry(f"data/{key}"), nbytes)
+
+    def unpickling(module):
+        return _torch_api.storages_as_loaded(module, check)
+
     if weights_only:
-        return _torch_api.unpickle_weights_only(reader, "meta")
-    return _torch_api.unpickle_from(reader, "meta", pickle)
+        return _torch_api.unpickle_weights_only(reader, "meta", unpickling=unpickling)
+    return _torch_api.unpickle_from(reader, "meta", unpickling(pickle))
 
 
 class _NativeOrderReader(TorchArchiveReader):

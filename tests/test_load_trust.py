@@ -474,3 +474,38 @@ def test_an_empty_record_read_as_two_dtypes_gives_each_its_own(folder):
     assert fastpersist.load(folder / "case.pt")["i"].dtype == torch.int64
     assert fastpersist.load(folder / "case.pt", weights_only=False)["i"].dtype == torch.int64
 
+
+SIXTEEN = struct.pack("<4f", 1.0, 2.0, 3.0, 4.0)
+
+
+@pytest.mark.parametrize("stored", [
+    pytest.param(state(s=tensor(numel=1, size=(), stride=())), id="a 0-d tensor over 16 bytes"),
+    pytest.param(state(s=tensor(numel=0, size=(0,))), id="an empty tensor over 16 bytes"),
+    pytest.param(state(s=tensor(numel=1, size=(), stride=()) + pickle.TUPLE1), id="in a tuple"),
+    pytest.param(NEW_ORDERED_DICT + text("s") + tensor(numel=1, size=(), stride=()) + pickle.SETITEM,
+                 id="in an OrderedDict"),
+])
+def test_load_into_checks_the_records_of_tensors_it_does_not_restore(folder, stored):
+    """torch.load reads every storage's record and refuses one whose size is
+    not the pickle's; load_into checked only those of the tensors it
+    restores, so with strict=False it loaded what torch refuses."""
+    pickled = program(stored)
+    assert check_case(folder, pickled, {"0": SIXTEEN}) == "refused"
+    target = {"x": torch.zeros(4)}
+    with pytest.raises(fastpersist.CheckpointError, match="holds 16 bytes"):
+        fastpersist.load_into(target, folder / "case.pt", strict=False)
+    assert torch.equal(target["x"], torch.zeros(4))
+
+
+def test_load_into_reads_a_key_as_torch_does_at_its_first_reference(folder):
+    """torch.load reads a key's record once, at its first reference; later
+    ones share that storage and its dtype, whatever size or dtype they name."""
+    pickled = program(state(a=tensor(), b=tensor(numel=1, size=(), stride=()), c=tensor(storage="IntStorage")))
+    assert check_case(folder, pickled, {"0": SIXTEEN}) == "loaded"
+    expected = original_load()(folder / "case.pt")
+    assert expected["c"].dtype == torch.float32
+    target = {k: torch.zeros_like(v) for k, v in expected.items()}
+    fastpersist.load_into(target, folder / "case.pt")
+    assert same_values(target, expected)
+    with pytest.raises(RuntimeError, match="dtype mismatch for c"):  # not the float bytes read as int32
+        fastpersist.load_into({"c": torch.zeros(4, dtype=torch.int32)}, folder / "case.pt", strict=False)
