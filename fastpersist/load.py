@@ -56,7 +56,13 @@ def load(f, map_location=None, pickle_module=None, *, weights_only: Optional[boo
     through fastpersist's engine. File objects, ``mmap=True``, legacy and
     TorchScript files, meta/fake loads and ``.safetensors`` go to the original
     ``torch.load``. Differences: the tensors of one checkpoint share one
-    allocation, freed when the last of them is (as with ``mmap=True``).
+    allocation, freed when the last of them is (as with ``mmap=True``). It
+    holds the whole file; a file of which more than half, and more than 64
+    MiB, lies outside every record (a hole) is read record by record
+    instead, each storage in an allocation of its own, as ``torch.load``
+    reads: what any one tensor keeps alive is at most the file, and the bytes
+    in no record at most max(64 MiB, the bytes in records). Records that no
+    tensor references count as records here (``mmap=True`` keeps them too).
 
     ``verify=True`` checks every record against the CRC-32 in the archive
     first and raises :class:`fastpersist.CheckpointError` on a mismatch (and
@@ -142,6 +148,14 @@ def load(f, map_location=None, pickle_module=None, *, weights_only: Optional[boo
                                              pickle_load_args)
             except _NotThroughBuffers:
                 pass  # a location only torch knows how to restore: the path below
+        if image.mostly_outside_records():
+            # Each record read into a storage of its own, as torch's reader does: an image of the
+            # whole file would be kept alive, holes and all, by any one tensor sliced from it.
+            image.index.resolve(image.read_at)
+            if verify:
+                image.verify_records({})
+            reader = TorchArchiveReader(image.index, image.read_at, None, path, image.read_file_into)
+            return _unpickle(reader, path, map_location, weights_only, pickle_module, load_args, pickle_load_args)
         plain = not verify and _plain_state_may_apply(image.index.has_checksums, weights_only, pickle_module,
                                                       pickle_load_args)
         if plain:
@@ -431,6 +445,19 @@ class _CheckpointImage:
         if self._reading is not None:
             self._reading.join()
             self._reading = None
+
+    # Bytes outside every record (headers, the central directory, holes) past which, when they also
+    # outnumber the records' own, load reads record by record instead of into one image of the file.
+    MOST_OUTSIDE_RECORDS = 64 << 20
+
+    def mostly_outside_records(self) -> bool:
+        """Whether most of the file, and more than MOST_OUTSIDE_RECORDS, is
+        bytes in no record: a hole (zip allows any bytes between records or
+        before the central directory) that an image of the file would hold
+        in memory for as long as any tensor of it lives. torch.save's files
+        hold under 1 KiB outside records per record."""
+        outside = self.size - sum(r.size for r in self.index.records.values())
+        return outside > self.MOST_OUTSIDE_RECORDS and outside > self.size // 2
 
     def pickle_size(self) -> int:
         r = self.index.lookup("data.pkl")
