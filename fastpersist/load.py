@@ -56,7 +56,13 @@ def load(f, map_location=None, pickle_module=None, *, weights_only: Optional[boo
     through fastpersist's engine. File objects, ``mmap=True``, legacy and
     TorchScript files, meta/fake loads and ``.safetensors`` go to the original
     ``torch.load``. Differences: the tensors of one checkpoint share one
-    allocation, freed when the last of them is (as with ``mmap=True``).
+    allocation, freed when the last of them is (as with ``mmap=True``). It
+    holds the whole file; a file of which more than half, and more than 64
+    MiB, lies outside every record (a hole) is read record by record
+    instead, each storage in an allocation of its own, as ``torch.load``
+    reads: what any one tensor keeps alive is at most the file, and the bytes
+    in no record at most max(64 MiB, the bytes in records). Records that no
+    tensor references count as records here (``mmap=True`` keeps them too).
 
     ``verify=True`` checks every record against the CRC-32 in the archive
     first and raises :class:`fastpersist.CheckpointError` on a mismatch (and
@@ -142,6 +148,14 @@ def load(f, map_location=None, pickle_module=None, *, weights_only: Optional[boo
                                              pickle_load_args)
             except _NotThroughBuffers:
                 pass  # a location only torch knows how to restore: the path below
+        if image.mostly_outside_records():
+            # Each record read into a storage of its own, as torch's reader does: an image of the
+            # whole file would be kept alive, holes and all, by any one tensor sliced from it.
+            image.index.resolve(image.read_at)
+            if verify:
+                image.verify_records({})
+            reader = TorchArchiveReader(image.index, image.read_at, None, path, image.read_file_into)
+            return _unpickle(reader, path, map_location, weights_only, pickle_module, load_args, pickle_load_args)
         plain = not verify and _plain_state_may_apply(image.index.has_checksums, weights_only, pickle_module,
                                                       pickle_load_args)
         if plain:
@@ -151,7 +165,7 @@ def load(f, map_location=None, pickle_module=None, *, weights_only: Optional[boo
             # instead of 2.4 ms here). Read again below, from the page cache.
             image.prefetch_pickle()
         image.start_reading()
-        reader = TorchArchiveReader(image.index, image.read_at, image.as_storage(), path)
+        reader = TorchArchiveReader(image.index, image.read_at, image.as_storage(), path, image.read_file_into)
         result = _NOT_LOADED
         if plain:
             # while the file is read: the tensors are views of the memory being filled
@@ -432,6 +446,19 @@ class _CheckpointImage:
             self._reading.join()
             self._reading = None
 
+    # Bytes outside every record (headers, the central directory, holes) past which, when they also
+    # outnumber the records' own, load reads record by record instead of into one image of the file.
+    MOST_OUTSIDE_RECORDS = 64 << 20
+
+    def mostly_outside_records(self) -> bool:
+        """Whether most of the file, and more than MOST_OUTSIDE_RECORDS, is
+        bytes in no record: a hole (zip allows any bytes between records or
+        before the central directory) that an image of the file would hold
+        in memory for as long as any tensor of it lives. torch.save's files
+        hold under 1 KiB outside records per record."""
+        outside = self.size - sum(r.size for r in self.index.records.values())
+        return outside > self.MOST_OUTSIDE_RECORDS and outside > self.size // 2
+
     def pickle_size(self) -> int:
         r = self.index.lookup("data.pkl")
         return 0 if r is None else r.size
@@ -490,6 +517,15 @@ class _CheckpointImage:
         if self.view is None:
             return os.pread(self.fd, n, offset)
         return bytes(self.view[offset:offset + n])
+
+    def read_file_into(self, address: int, offset: int, nbytes: int) -> None:
+        """The file's bytes at offset into memory at address (not the image's,
+        which torch may have byteswapped in place)."""
+        try:
+            read_extents_through_page_cache(self.fd, self.path, [(address, offset, nbytes)], False)
+        except EOFError:
+            raise CheckpointError(f"{self.path}: the file ended before its {self.size} bytes were read "
+                                  "(did it shrink while being read?)") from None
 
     def as_storage(self):
         """The file's bytes as one storage. When the last tensor sliced from
@@ -922,9 +958,16 @@ def _layout(image: _CheckpointImage, reader: TorchArchiveReader, weights_only: b
     if ahead is not None:
         ahead.close()
     image.index.resolve(image.read_at)  # lenient: a record torch would refuse raises where it is used
+
+    def check(key, nbytes: int) -> None:  # every storage, restored or not: torch.load reads them all
+        reader._check_size(image.index.entry(f"data/{key}"), nbytes)
+
+    def unpickling(module):
+        return _torch_api.storages_as_loaded(module, check)
+
     if weights_only:
-        return _torch_api.unpickle_weights_only(reader, "meta")
-    return _torch_api.unpickle_from(reader, "meta", pickle)
+        return _torch_api.unpickle_weights_only(reader, "meta", unpickling=unpickling)
+    return _torch_api.unpickle_from(reader, "meta", unpickling(pickle))
 
 
 class _NativeOrderReader(TorchArchiveReader):
@@ -1045,12 +1088,22 @@ class _Plan:
             extents += [(tmp.data_ptr(), offset, nbytes) for (offset, nbytes), tmp in temporaries.items()]
             checksums = self._read(image, extents, verify)
         with torch.no_grad():
-            swapped = set()
+            # A storage is swapped by its dtype; torch.load swaps each key's copy by the dtype the key
+            # is first read as (the layout gives later references that one): a record read under two
+            # keys as different dtypes needs a copy swapped each way.
+            swap_dtypes: dict = {}  # (offset, nbytes) -> {dtype}
+            for offset, nbytes, meta, _ in self.staged if self.swap else ():
+                swap_dtypes.setdefault((offset, nbytes), set()).add(meta.dtype)
+            swapped: dict = {}  # (offset, nbytes, dtype) -> the storage in this machine's byte order
             for offset, nbytes, meta, dst in self.staged:
                 storage = temporaries[offset, nbytes].untyped_storage()
-                if self.swap and (offset, nbytes) not in swapped:
-                    storage.byteswap(meta.dtype)
-                    swapped.add((offset, nbytes))
+                if self.swap:
+                    in_order = swapped.get((offset, nbytes, meta.dtype))
+                    if in_order is None:
+                        in_order = storage if len(swap_dtypes[offset, nbytes]) == 1 else storage.clone()
+                        in_order.byteswap(meta.dtype)
+                        swapped[offset, nbytes, meta.dtype] = in_order
+                    storage = in_order
                 view = torch.empty(0, dtype=meta.dtype, device=storage.device).set_(
                     storage, meta.storage_offset(), meta.shape, meta.stride())
                 metadata = _torch_api.tensor_metadata(meta)

@@ -988,11 +988,15 @@ class TorchArchiveReader:
     ``torch.serialization._load``, answering from an ArchiveIndex;
     read_at(offset, n) fetches bytes (from memory already read, or the file)."""
 
-    def __init__(self, index: ArchiveIndex, read_at, storage=None, source: str = "the checkpoint"):
+    def __init__(self, index: ArchiveIndex, read_at, storage=None, source: str = "the checkpoint",
+                 read_file_into=None):
         self.index = index
         self._source = source  # named in errors: the file's path
         self._read_at = read_at
         self._storage = storage  # the whole file as one UntypedStorage, when it has been read
+        # read_file_into(address, offset, nbytes): the file's own bytes into memory, for storages of their own
+        self._read_file_into = read_file_into
+        self._handed_out: set = set()  # ids of the records get_storage_from_record gave a slice of storage
         self._checksummed: Optional[bool] = None  # has_checksums, asked once
         self._guessed: dict = {}  # record name -> (record, data offset guessed by storage_for_key)
 
@@ -1055,6 +1059,8 @@ class TorchArchiveReader:
         is taken where torch's writer puts it; predictions_hold() checks
         every such guess against the local headers once the file is read."""
         offset = self._guess_data_offset("data/" + key, nbytes, alignment)
+        if not nbytes:
+            return _empty_storage()
         return self._storage[offset:offset + nbytes]
 
     def layout_storage_for_key(self, key: str, nbytes: int, alignment: int):
@@ -1097,12 +1103,39 @@ class TorchArchiveReader:
         return {offset: r for r, offset in self._guessed.values() if r.size}
 
     def _record_storage(self, name: str, nbytes: int):
-        if self._storage is None:
+        """A slice of the file's storage, or a storage of its own, read from
+        the file: without a file image (read_file_into alone), and for a
+        record asked for again under another key (names are found whatever
+        their ASCII case: "data/a" and "data/A" are one record). torch's own
+        reader gives every key a copy, and torch swaps a big-endian file's
+        storages in place, key by key: two slices of one image would be
+        swapped twice (as they are by torch.load(mmap=True))."""
+        if self._storage is None and self._read_file_into is None:
             raise RuntimeError("this reader has no file image to take storages from (a layout-only load)")
         r = self.index.entry(name)
         self._check_size(r, nbytes)
         self.index.resolve(self._read_at, [r])
-        return self._storage[r.data_offset:r.data_offset + nbytes]
+        if not nbytes:
+            return _empty_storage()
+        if self._storage is not None and id(r) not in self._handed_out:
+            self._handed_out.add(id(r))
+            return self._storage[r.data_offset:r.data_offset + nbytes]
+        if self._read_file_into is None:  # the image as read (right while nothing has swapped it in place)
+            return self._storage[r.data_offset:r.data_offset + nbytes].clone()
+        import torch
+
+        storage = torch.UntypedStorage(nbytes)
+        self._read_file_into(storage.data_ptr(), r.data_offset, nbytes)
+        return storage
+
+
+def _empty_storage():
+    """An empty storage as torch's reader gives one: no data pointer, so
+    torch's _load shares it with no other reference (each takes its own
+    dtype), where an empty slice of the file's storage would point into it."""
+    import torch
+
+    return torch.UntypedStorage(0)
 
 
 __all__ = [

@@ -229,3 +229,66 @@ def test_a_freed_result_is_seen_by_the_pool_at_once(folder, keep):
         kept = load_module._freed_images.kept()
         assert len(kept) == 1, f"attempt {attempt}: the pool held {len(kept)} mappings; {pool_state()}"
         load_module.release_load_memory()
+
+
+def write_with_hole(saved, path, hole: int) -> None:
+    """torch.save's file with `hole` bytes of zeros (sparse: no disk) between
+    its last record and its central directory, which the end record points
+    past them: a valid zip, and a valid checkpoint to torch.load."""
+    import struct
+
+    data = _saved_bytes(saved)
+    end, z64, locator = data.rfind(b"PK\x05\x06"), data.rfind(b"PK\x06\x06"), data.rfind(b"PK\x06\x07")
+    assert 0 < z64 < locator < end  # torch's writer ends with zip64 records: their offsets move too
+    cd_offset = struct.unpack_from("<Q", data, z64 + 48)[0]
+    tail = bytearray(data[cd_offset:])
+    for at, fmt in ((z64 + 48, "<Q"), (locator + 8, "<Q"), (end + 16, "<I")):
+        value = struct.unpack_from(fmt, data, at)[0]
+        if value != 0xFFFFFFFF:
+            struct.pack_into(fmt, tail, at - cd_offset, value + hole)
+    with open(path, "wb") as f:
+        f.write(data[:cd_offset])
+        f.seek(cd_offset + hole)
+        f.write(tail)
+
+
+def _saved_bytes(saved) -> bytes:
+    import io
+
+    from fastpersist.patching import original_save
+
+    buf = io.BytesIO()
+    original_save()(saved, buf)
+    return buf.getvalue()
+
+
+def test_a_small_tensor_of_a_file_with_a_huge_hole_holds_no_image_of_the_hole(folder):
+    """A 16-byte tensor of a file that is 512 MiB of unreferenced zeros held
+    an image of the whole file alive (its RSS 512 MiB) for as long as it
+    lived; such a file is read record by record, as torch.load reads it."""
+    from fastpersist.patching import original_load
+
+    saved = {"w": torch.tensor([1.0, -2.0, 3.5, 4.25]), "i": torch.arange(3)}
+    path, normal = folder / "hole.pt", folder / "normal.pt"
+    write_with_hole(saved, path, 512 << 20)
+    torch.save(saved, normal)
+    assert os.path.getsize(path) > 512 << 20
+    for loaded in (original_load()(path), fastpersist.load(path, verify=True),
+                   fastpersist.load(path, weights_only=False)):
+        assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved)
+    with load_module._CheckpointImage.open(str(normal), fastpersist.options.current_options()) as image:
+        assert not image.mostly_outside_records()  # torch.save's files: one image, as before
+    result = run_script(f"""
+        import os, torch, fastpersist
+        def rss():
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        fastpersist.load({str(normal)!r})  # the first load's imports and threads
+        before = rss()
+        loaded = fastpersist.load({str(path)!r})
+        print(rss() - before, loaded["w"].untyped_storage().nbytes())
+    """)
+    assert result.returncode == 0, result.stderr
+    grown, nbytes = map(int, result.stdout.split())
+    assert nbytes == 16
+    assert grown < 64 << 20, f"loading a 16-byte tensor grew the process by {grown >> 20} MiB"

@@ -66,14 +66,14 @@ def state(**items: bytes) -> bytes:
 RECORD = struct.pack("<4f", 1.0, -2.0, 3.5, 4.25)
 
 
-def write_archive(path, pickled: bytes, records=None) -> None:
+def write_archive(path, pickled: bytes, records=None, byteorder: bytes = b"little") -> None:
     """A checkpoint as torch's own zip writer lays it out, CRCs right."""
     records = {"0": RECORD} if records is None else records
     writer = torch._C.PyTorchFileWriter(str(path), True, 64)
     writer.write_record("data.pkl", pickled, len(pickled))
     writer.write_record(".format_version", b"1", 1)
     writer.write_record(".storage_alignment", b"64", 2)
-    writer.write_record("byteorder", b"little", 6)
+    writer.write_record("byteorder", byteorder, len(byteorder))
     for key, data in records.items():
         writer.write_record(f"data/{key}", data, len(data))
     writer.write_end_of_file()
@@ -128,12 +128,12 @@ def same_values(a, b, seen=None) -> bool:
     return type(a) is type(b) and (a == b or a != a and b != b)
 
 
-def check_case(folder, pickled: bytes, records=None, *, fastpersist_loads=None):
+def check_case(folder, pickled: bytes, records=None, *, fastpersist_loads=None, byteorder: bytes = b"little"):
     """fastpersist.load, its verify=True and the layout pass of load_into
     against torch.load(weights_only=True): same decision, same values, the
     process left as it was. Returns torch's decision."""
     path = folder / "case.pt"
-    write_archive(path, pickled, records)
+    write_archive(path, pickled, records, byteorder)
     before = process_state()
     started = time.monotonic()
     theirs, their_value = outcome(lambda: original_load()(path, weights_only=True))
@@ -435,3 +435,77 @@ def test_load_into_refuses_a_container_holding_itself(folder):
     assert check_case(folder, pickled) == "loaded"
     with pytest.raises(fastpersist.CheckpointError, match="holds itself"):
         fastpersist.load_into({"self": {}}, folder / "cycle.pt")
+
+
+# -- records read more than once ---------------------------------------------------------
+
+
+def test_a_big_endian_record_read_under_two_keys_is_swapped_once_for_each(folder):
+    """miniz finds records whatever their ASCII case, so keys "ab", "AB" and
+    "Ab" all read record data/ab. torch.load reads each key into memory of
+    its own and swaps it there; fastpersist handed out slices of one image,
+    swapped in place once per key (so twice, as torch.load(mmap=True) does),
+    and load_into swapped the record once, by the first key's dtype."""
+    values = [1.0, -2.0, 3.5, 4.25]
+    records = {"ab": struct.pack(">4f", *values)}  # a big-endian file: its storages are big-endian
+    pickled = program(state(a=tensor("ab"), b=tensor("AB"),
+                            c=tensor("Ab", numel=8, size=(8,), stride=(1,), storage="ShortStorage")))
+    path = folder / "case.pt"
+    assert check_case(folder, pickled, records, byteorder=b"big", fastpersist_loads={
+        "fastpersist.load": lambda: fastpersist.load(path),
+        "fastpersist.load(verify=True)": lambda: fastpersist.load(path, verify=True),
+        "fastpersist.load(weights_only=False)": lambda: fastpersist.load(path, weights_only=False),
+    }) == "loaded"
+    expected = original_load()(path)
+    assert expected["a"].tolist() == values and expected["b"].tolist() == values
+    assert expected["c"].tolist() == list(struct.unpack(">8h", records["ab"]))
+    target = {"a": torch.zeros(4), "b": torch.zeros(4), "c": torch.zeros(8, dtype=torch.int16)}
+    fastpersist.load_into(target, path)
+    assert same_values(target, expected)
+
+
+def test_an_empty_record_read_as_two_dtypes_gives_each_its_own(folder):
+    """An empty storage has no data pointer, so torch.load shares it with no
+    other reference: each takes the dtype it is read as. An empty slice of
+    fastpersist's image pointed into it and was shared (the first's dtype)."""
+    pickled = program(state(f=tensor("0", numel=0, size=(0,)),
+                            i=tensor("0", numel=0, size=(0,), storage="LongStorage")))
+    assert check_case(folder, pickled, {"0": b""}) == "loaded"
+    assert fastpersist.load(folder / "case.pt")["i"].dtype == torch.int64
+    assert fastpersist.load(folder / "case.pt", weights_only=False)["i"].dtype == torch.int64
+
+
+SIXTEEN = struct.pack("<4f", 1.0, 2.0, 3.0, 4.0)
+
+
+@pytest.mark.parametrize("stored", [
+    pytest.param(state(s=tensor(numel=1, size=(), stride=())), id="a 0-d tensor over 16 bytes"),
+    pytest.param(state(s=tensor(numel=0, size=(0,))), id="an empty tensor over 16 bytes"),
+    pytest.param(state(s=tensor(numel=1, size=(), stride=()) + pickle.TUPLE1), id="in a tuple"),
+    pytest.param(NEW_ORDERED_DICT + text("s") + tensor(numel=1, size=(), stride=()) + pickle.SETITEM,
+                 id="in an OrderedDict"),
+])
+def test_load_into_checks_the_records_of_tensors_it_does_not_restore(folder, stored):
+    """torch.load reads every storage's record and refuses one whose size is
+    not the pickle's; load_into checked only those of the tensors it
+    restores, so with strict=False it loaded what torch refuses."""
+    pickled = program(stored)
+    assert check_case(folder, pickled, {"0": SIXTEEN}) == "refused"
+    target = {"x": torch.zeros(4)}
+    with pytest.raises(fastpersist.CheckpointError, match="holds 16 bytes"):
+        fastpersist.load_into(target, folder / "case.pt", strict=False)
+    assert torch.equal(target["x"], torch.zeros(4))
+
+
+def test_load_into_reads_a_key_as_torch_does_at_its_first_reference(folder):
+    """torch.load reads a key's record once, at its first reference; later
+    ones share that storage and its dtype, whatever size or dtype they name."""
+    pickled = program(state(a=tensor(), b=tensor(numel=1, size=(), stride=()), c=tensor(storage="IntStorage")))
+    assert check_case(folder, pickled, {"0": SIXTEEN}) == "loaded"
+    expected = original_load()(folder / "case.pt")
+    assert expected["c"].dtype == torch.float32
+    target = {k: torch.zeros_like(v) for k, v in expected.items()}
+    fastpersist.load_into(target, folder / "case.pt")
+    assert same_values(target, expected)
+    with pytest.raises(RuntimeError, match="dtype mismatch for c"):  # not the float bytes read as int32
+        fastpersist.load_into({"c": torch.zeros(4, dtype=torch.int32)}, folder / "case.pt", strict=False)
