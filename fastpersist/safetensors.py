@@ -456,6 +456,8 @@ class safe_open:  # noqa: N801 - safetensors' name
     def __init__(self, filename, framework: str = "pt", device="cpu", backend: Optional[str] = None):
         self.path = os.fspath(filename)
         self.device = _device_of(device)
+        self._window = None  # (start, end, buffer): the span of the file read last
+        self._lock = threading.Lock()
         self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             self._size = os.fstat(self._fd).st_size
@@ -512,7 +514,8 @@ class safe_open:  # noqa: N801 - safetensors' name
         """This file, open again (a slice indexed after its file was closed,
         as safetensors allows)."""
         again = safe_open.__new__(safe_open, self.path)
-        again.path, again.device, again._header = self.path, self.device, self._header
+        again.path, again.device, again._header, again._window = self.path, self.device, self._header, None
+        again._lock = threading.Lock()
         again._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         again._size = self._size
         return again
@@ -521,7 +524,7 @@ class safe_open:  # noqa: N801 - safetensors' name
         """Rows [first, stop) of entry's first dimension (the whole tensor
         for a 0-d one), read from the file into a new tensor on the device."""
         from . import device_io
-        from .fileio import read_extents_through_page_cache, reading_engine
+        from .fileio import reading_engine
 
         rows = entry.shape[0] if entry.shape else 1
         row_bytes = entry.nbytes // rows if rows else 0
@@ -533,8 +536,13 @@ class safe_open:  # noqa: N801 - safetensors' name
         offset = self._header.data_start + entry.begin + first * row_bytes
         opts = current_options()
         try:
-            if self.device.type == "cpu" and nbytes < _SMALL_READ:
-                read_extents_through_page_cache(self._fd, self.path, [(out.data_ptr(), offset, nbytes)], False)
+            if self.device.type == "cpu":
+                # tensors are asked for one after another in file order (transformers materializes a
+                # shard so): a window of the file read at once serves the next ones as views
+                byte_view = self._from_window(offset, nbytes, opts)
+                if offset % entry.dtype.itemsize == 0:
+                    return byte_view.view(entry.dtype).view(shape)
+                out.reshape(-1).view(torch.uint8).copy_(byte_view)
             else:
                 piece = device_io.Piece(offset, nbytes, device_io.byte_view(out.untyped_storage()))
                 with reading_engine(self.path, opts, nbytes) as (engine, direct_fd):
@@ -544,8 +552,45 @@ class safe_open:  # noqa: N801 - safetensors' name
             raise SafetensorsFileError(f"{self.path}: the file ended inside tensor {entry.name!r}") from None
         return out
 
+    def _from_window(self, offset: int, nbytes: int, opts):
+        """The file's bytes [offset, offset + nbytes) as a uint8 tensor with a
+        storage of its own over the window of the file read last, read anew
+        (WINDOW bytes from offset, or the tensor, whichever is larger; not past
+        the file) where they are not in it."""
+        with self._lock:  # transformers materializes a shard's tensors from several threads
+            window = self._window
+            if window is None or not (window[0] <= offset and offset + nbytes <= window[1]):
+                if self._size <= WHOLE_FILE:  # every tensor of it, in whatever order: one read
+                    start, end = self._header.data_start, self._size
+                else:
+                    start, end = offset, min(self._size, offset + max(nbytes, WINDOW))
+                window = self._window = (start, end, _read_span(self._fd, self.path, start, end - start, opts))
+        return torch.frombuffer(window[2], dtype=torch.uint8, count=nbytes, offset=offset - window[0])
 
+
+WINDOW = 64 << 20  # what safe_open reads at once from a large file: the tensors that follow share one read
+WHOLE_FILE = 4 << 30  # a file up to this size is read whole at the first tensor asked for
 _SMALL_READ = 1 << 20  # below this, one pread through the page cache costs less than an engine's pass
+
+
+def _read_span(fd: int, path: str, offset: int, nbytes: int, opts):
+    """nbytes of the file at offset in new page-aligned memory (a buffer
+    object; storages made over it keep it alive): through the page cache
+    for a small span or a file there already, else with the engine."""
+    import ctypes
+    import mmap
+
+    from .fileio import cached_fraction, read_extents, read_extents_through_page_cache, reading_engine
+
+    memory = mmap.mmap(-1, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+    owner = (ctypes.c_ubyte * nbytes).from_buffer(memory)
+    extents = [(ctypes.addressof(owner), offset, nbytes)]
+    if nbytes < _SMALL_READ or (cached_fraction(fd, offset + nbytes) or 0.0) >= 0.9:
+        read_extents_through_page_cache(fd, path, extents, False)
+    else:
+        with reading_engine(path, opts, nbytes) as (engine, direct_fd):
+            read_extents(engine, direct_fd, fd, path, extents, False)
+    return owner
 
 
 class _Slice:

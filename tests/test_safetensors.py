@@ -144,16 +144,31 @@ def test_slices_are_safetensors_slices(tmp_path, index):
             ours.get_tensor("nope")
 
 
-def test_a_slice_of_rows_reads_only_those_rows(tmp_path, monkeypatch):
-    tensors = {"big": torch.randn(1000, 256)}
+def test_a_slice_of_rows_reads_from_those_rows_on_and_at_most_a_window(tmp_path, monkeypatch):
+    """A slice reads from its first row on, at most a window of the file (or
+    the slice, if larger): never the whole shard for one slice; the tensors
+    that follow come from that read."""
+    tensors = {"big": torch.randn(1000, 256), "next": torch.randn(64)}
     path = tmp_path / "big.safetensors"
     fst.save_file(tensors, path)
-    asked = []
-    real = fst.safe_open._read
-    monkeypatch.setattr(fst.safe_open, "_read", lambda self, e, lo, hi: (asked.append((lo, hi)), real(self, e, lo, hi))[1])
+    monkeypatch.setattr(fst, "WINDOW", 200 * 256 * 4)
+    monkeypatch.setattr(fst, "WHOLE_FILE", 1000)  # this 1 MB file as a large one
+    spans = []
+    real = fst._read_span
+    monkeypatch.setattr(fst, "_read_span", lambda fd, p, offset, n, o: (spans.append((offset, n)), real(fd, p, offset, n, o))[1])
     with fst.safe_open(path) as f:
+        start = f._header.data_start + f._header.entries["big"].begin
         rows = f.get_slice("big")[10:20]
-    assert asked == [(10, 20)] and torch.equal(rows, tensors["big"][10:20])
+        more = f.get_slice("big")[20:30]  # within the window: no second read
+        assert spans == [(start + 10 * 1024, 200 * 1024)]
+        assert torch.equal(rows, tensors["big"][10:20]) and torch.equal(more, tensors["big"][20:30])
+        assert torch.equal(f.get_tensor("next"), tensors["next"])
+        assert len(spans) == 2
+    monkeypatch.setattr(fst, "WHOLE_FILE", 4 << 30)
+    spans.clear()
+    with fst.safe_open(path) as f:  # a small file: read whole at the first tensor, whatever its place
+        assert torch.equal(f.get_tensor("next"), tensors["next"]) and torch.equal(f.get_tensor("big"), tensors["big"])
+        assert spans == [(f._header.data_start, path.stat().st_size - f._header.data_start)]
 
 
 # ---------------------------------------------------------------------------
