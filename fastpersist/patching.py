@@ -107,7 +107,9 @@ def is_patched() -> bool:
 # ---------------------------------------------------------------------------
 # safetensors
 
-_routed: list = []  # (module, name, original, replacement) for every name patch() rebound
+_bindings: list = []  # (module, name, original, replacement): every import of the functions found so far
+_scanned: set = set()  # names of the modules already looked through
+_routing = False
 
 
 def _safetensors_replacements() -> dict:
@@ -133,24 +135,24 @@ _SAFETENSORS_KEEP = ("safetensors._safetensors_rust", "safetensors.numpy", "safe
                      "safetensors.mlx", "safetensors.paddle")
 
 
-def _route_safetensors() -> None:
-    """Rebinds safetensors' save_file, load_file and safe_open to
-    fastpersist's in every loaded module that holds them, safetensors'
-    own modules among them (modules imported later take them from there)."""
-    replacements = _safetensors_replacements()
-    if not replacements or _routed:
-        return
-    for module in list(sys.modules.values()):
+def _find_bindings(pairs: dict) -> None:
+    """Looks through the modules loaded since the last look for names bound
+    to safetensors' functions or to fastpersist's (a module imported while
+    patched holds the latter); each becomes one of _bindings. Modules
+    looked through once are not looked through again: patch() and
+    unpatch() in a loop cost a dict lookup per module, not a scan."""
+    for module_name, module in list(sys.modules.items()):
+        if module_name in _scanned:
+            continue
+        _scanned.add(module_name)
         names = getattr(module, "__dict__", None)
-        module_name = getattr(module, "__name__", None)
         if not isinstance(names, dict) or not isinstance(module_name, str) or \
                 module_name.startswith("fastpersist") or module_name in _SAFETENSORS_KEEP:
             continue
         for name, value in list(names.items()):
-            found = replacements.get(id(value))
-            if found is not None and value is found[0] and _is_a_binding_of(name, found[0]):
-                names[name] = found[1]
-                _routed.append((module, name, found[0], found[1]))
+            found = pairs.get(id(value))
+            if found is not None and (value is found[0] or value is found[1]) and _is_a_binding_of(name, found[0]):
+                _bindings.append((module, name, found[0], found[1]))
 
 
 def _is_a_binding_of(name: str, original) -> bool:
@@ -161,25 +163,39 @@ def _is_a_binding_of(name: str, original) -> bool:
     return original.__name__ in name and not name.startswith("_fastpersist_original_")
 
 
+def _route_safetensors() -> None:
+    """Rebinds safetensors' save_file, load_file and safe_open to
+    fastpersist's in every loaded module that holds them, safetensors'
+    own modules among them (modules imported later take them from there)."""
+    global _routing
+    replacements = _safetensors_replacements()
+    if not replacements:
+        return
+    pairs = dict(replacements)
+    pairs.update({id(new): (old, new) for old, new in replacements.values()})
+    _find_bindings(pairs)
+    for module, name, original, replacement in _bindings:
+        if module.__dict__.get(name) is original:
+            module.__dict__[name] = replacement
+    _routing = True
+
+
 def _restore_safetensors() -> None:
     """Puts the originals back wherever fastpersist's are bound, modules
     imported after patch() included."""
-    had = bool(_routed)
-    _routed.clear()
-    if not had:
+    global _routing
+    if not _routing:
         return
-    originals = {id(new): (new, old) for old, new in _safetensors_replacements().values()}
-    for module in list(sys.modules.values()):
-        names = getattr(module, "__dict__", None)
-        module_name = getattr(module, "__name__", None)
-        if not isinstance(names, dict) or not isinstance(module_name, str) or module_name.startswith("fastpersist"):
-            continue
-        for name, value in list(names.items()):
-            found = originals.get(id(value))
-            if found is not None and value is found[0]:
-                names[name] = found[1]
+    _routing = False
+    replacements = _safetensors_replacements()
+    pairs = dict(replacements)
+    pairs.update({id(new): (old, new) for old, new in replacements.values()})
+    _find_bindings(pairs)
+    for module, name, original, replacement in _bindings:
+        if module.__dict__.get(name) is replacement:
+            module.__dict__[name] = original
 
 
 def safetensors_patched() -> bool:
     """Whether safetensors' file functions go through fastpersist."""
-    return bool(_routed)
+    return _routing
