@@ -631,3 +631,84 @@ class _Slice:
             return rows[rest] if parts[1:] else rows
         whole = self._file._read(self._entry, 0, shape[0] if shape else 1)
         return whole[index]
+
+
+# ---------------------------------------------------------------------------
+# a sharded set, published index last
+
+
+def save_sharded(state_dict: Dict[str, torch.Tensor], folder, *, max_shard_size="5GB",
+                 metadata: Optional[Dict[str, str]] = None, filename_pattern: str = "model{suffix}.safetensors",
+                 **options) -> list:
+    """Saves state_dict as the shards and index transformers' ``save_pretrained``
+    writes (split by ``huggingface_hub.split_torch_state_dict_into_shards``;
+    ``model-00001-of-0000N.safetensors`` and ``model.safetensors.index.json``,
+    or one ``model.safetensors`` where it fits in one shard), each shard atomic
+    and durable, the index written last, atomically and durably, so that a
+    crash leaves the folder's previous set or the new one, never a mix.
+
+    Where a shard's name is a file the folder's current index still names, the
+    new shard takes a name of its own (``model-<token>-00001-of-0000N...``)
+    until the new index is published; the old set's shards are removed after.
+    Returns the names of the files written, index last. ``metadata``: each
+    shard's (transformers writes ``{"format": "pt"}``, the default here)."""
+    import uuid
+
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    from .save import write_to_path
+
+    folder = os.fspath(folder)
+    metadata = {"format": "pt"} if metadata is None else metadata
+    split = split_torch_state_dict_into_shards(state_dict, filename_pattern=filename_pattern,
+                                               max_shard_size=max_shard_size)
+    index_name = filename_pattern.format(suffix="") + ".index.json"
+    index_path = os.path.join(folder, index_name)
+    old = _indexed_files(index_path)
+    if not split.is_sharded:
+        (name, names), = split.filename_to_tensors.items()
+        save_file({k: state_dict[k] for k in names}, os.path.join(folder, name), metadata, **options)
+        written = [name]
+    else:
+        token = uuid.uuid4().hex[:8]
+        renamed = {name: (name if name not in old else name.replace("-", f"-{token}-", 1))
+                   for name in split.filename_to_tensors}
+        try:
+            for name, names in split.filename_to_tensors.items():
+                save_file({k: state_dict[k] for k in names}, os.path.join(folder, renamed[name]), metadata,
+                          **options)
+            index = {"metadata": dict(split.metadata),
+                     "weight_map": {k: renamed[v] for k, v in split.tensor_to_filename.items()}}
+            data = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode("utf-8")
+            opts = current_options().replace(**options)
+            write_to_path(index_path, opts, lambda writer: (writer.write(data), len(data))[1],
+                          expected_size=len(data))
+        except BaseException:
+            for name in renamed.values():  # this attempt's shards: nothing names them
+                try:
+                    os.unlink(os.path.join(folder, name))
+                except FileNotFoundError:
+                    pass
+            raise
+        written = list(renamed.values()) + [index_name]
+    if not split.is_sharded and os.path.exists(index_path):
+        # one file now: the index naming the old shards goes first, then the shards (a crash between
+        # the two leaves the new file and orphaned shards, never an index naming missing files)
+        os.unlink(index_path)
+    if split.is_sharded:
+        old.add(filename_pattern.format(suffix=""))  # a single file of an earlier save, now superseded
+    for name in sorted(old - set(written)):  # the previous set, once nothing names it
+        try:
+            os.unlink(os.path.join(folder, name))
+        except FileNotFoundError:
+            pass
+    return written
+
+
+def _indexed_files(index_path: str) -> set:
+    """The shard files a safetensors index names (empty where there is none)."""
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            return set(json.load(f).get("weight_map", {}).values())
+    except (OSError, ValueError, AttributeError):
+        return set()

@@ -523,3 +523,69 @@ def test_peft_adapter_saved_and_loaded(tmp_path, routed):
     assert routed["opened"] > opened
     ours = {k: v for k, v in again.state_dict().items() if "lora" in k}
     assert ours and all(torch.equal(v, model.state_dict()[k]) for k, v in ours.items())
+
+
+# ---------------------------------------------------------------------------
+# sharded sets, published index last
+
+
+def _model_state():
+    return {k: v.clone() for k, v in tiny_gpt2().state_dict().items() if k != "lm_head.weight"}  # tied: saved once
+
+
+def test_save_sharded_writes_transformers_layout_and_it_loads(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    model = tiny_gpt2()
+    model.config.save_pretrained(tmp_path)
+    state = _model_state()
+    written = fst.save_sharded(state, tmp_path, max_shard_size="20KB")
+    assert written[-1] == "model.safetensors.index.json" and len(written) > 3
+    assert all(n.startswith("model-0") and n.endswith(f"-of-{len(written) - 1:05d}.safetensors") for n in written[:-1])
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(state) and set(index["weight_map"].values()) == set(written[:-1])
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)
+    for k, v in state.items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+    assert leftovers(tmp_path) == []
+
+
+def test_replacing_a_set_leaves_the_old_one_until_the_new_index_is_published(tmp_path, monkeypatch):
+    first = _model_state()
+    fst.save_sharded(first, tmp_path, max_shard_size="20KB")
+    old_files = sorted(p.name for p in tmp_path.iterdir())
+    second = {k: v + 1 for k, v in first.items()}
+    import importlib
+
+    save_module = importlib.import_module("fastpersist.save")
+    real = save_module.write_to_path
+
+    def index_fails(path, *args, **kwargs):
+        if str(path).endswith(".index.json"):
+            raise OSError(28, "No space left on device", str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(save_module, "write_to_path", index_fails)
+    with pytest.raises(OSError, match="No space left"):
+        fst.save_sharded(second, tmp_path, max_shard_size="20KB")
+    monkeypatch.setattr(save_module, "write_to_path", real)
+    assert sorted(p.name for p in tmp_path.iterdir()) == old_files  # the failed attempt's shards are gone
+    # the old index and every shard it names are as they were: the new shards took other names
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    for name in set(index["weight_map"].values()):
+        assert name in old_files
+        for k, v in fst.load_file(tmp_path / name).items():
+            assert torch.equal(v, first[k]), k
+    written = fst.save_sharded(second, tmp_path, max_shard_size="20KB")
+    assert sorted(p.name for p in tmp_path.iterdir() if "safetensors" in p.name) == sorted(written)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    for name in set(index["weight_map"].values()):
+        for k, v in fst.load_file(tmp_path / name).items():
+            assert torch.equal(v, second[k]), k
+
+
+def test_a_set_that_fits_one_file_replaces_the_shards(tmp_path):
+    state = _model_state()
+    fst.save_sharded(state, tmp_path, max_shard_size="20KB")
+    assert fst.save_sharded(state, tmp_path) == ["model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+    assert_same(fst.load_file(tmp_path / "model.safetensors"), state)
