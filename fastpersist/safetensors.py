@@ -293,8 +293,24 @@ def _own_checks(tensors) -> None:
                            f"differences when loading them again: {failing}.")
 
 
+CHECKSUMS_KEY = "fastpersist.crc32"  # the metadata key of per-tensor CRC-32s (a JSON object, a string)
+
+
+def _crc_of(tensor) -> int:
+    """CRC-32 (zlib's) of a contiguous tensor's bytes, on its own device."""
+    from . import _engine
+
+    if not tensor.numel():
+        return 0
+    if tensor.device.type == "cpu":
+        return _engine.crc32(_engine.memory_at(tensor.data_ptr(), tensor.numel() * tensor.element_size()))
+    from . import device_crc
+
+    return device_crc.crc32(tensor.detach().reshape(-1).view(torch.uint8))
+
+
 def save_file(tensors: Dict[str, torch.Tensor], filename, metadata: Optional[Dict[str, str]] = None, *,
-              align: int = 8, **options) -> None:
+              align: int = 8, checksums: bool = False, **options) -> None:
     """Saves tensors as a safetensors file at filename, as
     ``safetensors.torch.save_file`` does (the same bytes), atomically and
     durably: a temporary beside it, fsynced, renamed over it, the folder
@@ -302,7 +318,10 @@ def save_file(tensors: Dict[str, torch.Tensor], filename, metadata: Optional[Dic
     streamed through the engine's buffers (no host copy of the shard).
 
     align: where the data section begins (safetensors: 8; 4096 puts it on
-    a page boundary, which every reader accepts). ``options`` (see
+    a page boundary, which every reader accepts). checksums: each tensor's
+    CRC-32 kept in the metadata (key "fastpersist.crc32", a JSON string: every
+    reader still loads the file; the file is then not safetensors' bytes),
+    which ``load_file(..., verify=True)`` checks. ``options`` (see
     :class:`fastpersist.Options`) override the patched ones.
     Raises what safetensors raises for shared, non-contiguous and sparse
     tensors, ValueError for a dtype it cannot store or a bad align."""
@@ -312,6 +331,10 @@ def save_file(tensors: Dict[str, torch.Tensor], filename, metadata: Optional[Dic
     _check_for_save(tensors, metadata)
     if align < 8 or align % 8:
         raise ValueError(f"align={align}: must be a multiple of 8")
+    if checksums:
+        sums = {k: f"{_crc_of(t):08x}" for k, t in tensors.items()}
+        metadata = {**(metadata or {}), CHECKSUMS_KEY: json.dumps(sums, ensure_ascii=False, separators=(",", ":"),
+                                                                  sort_keys=True)}
     head, order = header_bytes(tensors, metadata, align)
     total = len(head) + sum(tensors[k].numel() * tensors[k].element_size() for k in order)
     opts = current_options().replace(**options)
@@ -364,7 +387,7 @@ def _tensor_at(buffer, entry: _Entry, data_start: int):
     return byte_view.view(entry.dtype).view(entry.shape)
 
 
-def load_file(filename, device="cpu", *, backend: Optional[str] = None) -> Dict[str, torch.Tensor]:
+def load_file(filename, device="cpu", *, backend: Optional[str] = None, verify: bool = False) -> Dict[str, torch.Tensor]:
     """The file's tensors, as ``safetensors.torch.load_file`` returns them.
     On the CPU: read with the engine into one allocation, the tensors views
     of it (freed when the last of them dies). On a GPU (``device="cuda"``,
@@ -372,7 +395,10 @@ def load_file(filename, device="cpu", *, backend: Optional[str] = None) -> Dict[
     filled from the engine's buffers, no host copy of the file.
     Raises SafetensorsFileError for a file that is not a sound safetensors
     file (nothing is returned from it). ``backend`` (safetensors' choice
-    of mmap or pread) is accepted and ignored: the engine reads."""
+    of mmap or pread) is accepted and ignored: the engine reads.
+    verify: check each tensor against the CRC-32 ``save_file(...,
+    checksums=True)`` kept; SafetensorsFileError naming the first tensor
+    that differs, or where the file keeps none."""
     from . import device_io
     from .fileio import reading_engine
     from .load import _CheckpointImage
@@ -384,6 +410,8 @@ def load_file(filename, device="cpu", *, backend: Optional[str] = None) -> Dict[
     try:
         size = os.fstat(fd).st_size
         header = Header.read(fd, path, size)
+        if verify:
+            return _verified(load_file(path, device), header, path)
         if target.type == "cpu":
             image = _CheckpointImage(path, fd, size, None, opts, read_cached_through_page_cache=True)
             fd = -1  # the image closes it
@@ -406,6 +434,23 @@ def load_file(filename, device="cpu", *, backend: Optional[str] = None) -> Dict[
     finally:
         if fd >= 0:
             os.close(fd)
+
+
+def _verified(tensors: dict, header: Header, path: str) -> dict:
+    kept = (header.metadata or {}).get(CHECKSUMS_KEY)
+    if kept is None:
+        raise SafetensorsFileError(f"{path}: saved without checksums (save_file(..., checksums=True)); "
+                                   "cannot verify it")
+    try:
+        sums = json.loads(kept)
+    except ValueError:
+        raise SafetensorsFileError(f"{path}: its {CHECKSUMS_KEY} metadata is not JSON") from None
+    for name in header.entries:
+        if name not in sums:
+            raise SafetensorsFileError(f"{path}: no checksum kept for tensor {name!r}")
+        if f"{_crc_of(tensors[name]):08x}" != sums[name]:
+            raise SafetensorsFileError(f"{path}: tensor {name!r} fails its CRC-32 check: the file is corrupt")
+    return tensors
 
 
 def load(data: bytes) -> Dict[str, torch.Tensor]:

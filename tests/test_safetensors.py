@@ -589,3 +589,21 @@ def test_a_set_that_fits_one_file_replaces_the_shards(tmp_path):
     assert fst.save_sharded(state, tmp_path) == ["model.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
     assert_same(fst.load_file(tmp_path / "model.safetensors"), state)
+
+
+def test_checksums_kept_in_the_metadata_find_a_flipped_byte(tmp_path):
+    tensors = {"w": torch.randn(5000), "i": torch.arange(10), "e": torch.zeros(0)}
+    path = tmp_path / "c.safetensors"
+    fst.save_file(tensors, path, metadata={"format": "pt"}, checksums=True)
+    assert_same(ORIGINAL_LOAD_FILE(str(path)), tensors)  # every reader still loads it
+    with ORIGINAL_SAFE_OPEN(str(path), framework="pt") as f:
+        assert f.metadata()["format"] == "pt" and fst.CHECKSUMS_KEY in f.metadata()
+    assert_same(fst.load_file(path, verify=True), tensors)
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) - 100] ^= 1  # inside the data of the last tensor in the file
+    path.write_bytes(raw)
+    with pytest.raises(SafetensorsFileError, match="fails its CRC-32 check"):
+        fst.load_file(path, verify=True)
+    fst.save_file(tensors, path)
+    with pytest.raises(SafetensorsFileError, match="saved without checksums"):
+        fst.load_file(path, verify=True)
