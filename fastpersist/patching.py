@@ -163,37 +163,37 @@ def _is_a_binding_of(name: str, original) -> bool:
     return original.__name__ in name and not name.startswith("_fastpersist_original_")
 
 
+def _rebind_safetensors(to_fastpersist: bool) -> bool:
+    """Every known binding of safetensors' functions set to fastpersist's
+    (or back to the originals); False where safetensors is not installed."""
+    replacements = _safetensors_replacements()
+    if not replacements:
+        return False
+    pairs = dict(replacements)  # id of either function -> (original, replacement)
+    pairs.update({id(new): (old, new) for old, new in replacements.values()})
+    _find_bindings(pairs)
+    for module, name, original, replacement in _bindings:
+        current, wanted = (original, replacement) if to_fastpersist else (replacement, original)
+        if module.__dict__.get(name) is current:
+            module.__dict__[name] = wanted
+    return True
+
+
 def _route_safetensors() -> None:
     """Rebinds safetensors' save_file, load_file and safe_open to
     fastpersist's in every loaded module that holds them, safetensors'
     own modules among them (modules imported later take them from there)."""
     global _routing
-    replacements = _safetensors_replacements()
-    if not replacements:
-        return
-    pairs = dict(replacements)
-    pairs.update({id(new): (old, new) for old, new in replacements.values()})
-    _find_bindings(pairs)
-    for module, name, original, replacement in _bindings:
-        if module.__dict__.get(name) is original:
-            module.__dict__[name] = replacement
-    _routing = True
+    _routing = _rebind_safetensors(True) or _routing
 
 
 def _restore_safetensors() -> None:
     """Puts the originals back wherever fastpersist's are bound, modules
     imported after patch() included."""
     global _routing
-    if not _routing:
-        return
-    _routing = False
-    replacements = _safetensors_replacements()
-    pairs = dict(replacements)
-    pairs.update({id(new): (old, new) for old, new in replacements.values()})
-    _find_bindings(pairs)
-    for module, name, original, replacement in _bindings:
-        if module.__dict__.get(name) is replacement:
-            module.__dict__[name] = original
+    if _routing:
+        _routing = False
+        _rebind_safetensors(False)
 
 
 def safetensors_patched() -> bool:
