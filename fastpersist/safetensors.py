@@ -410,8 +410,6 @@ def load_file(filename, device="cpu", *, backend: Optional[str] = None, verify: 
     try:
         size = os.fstat(fd).st_size
         header = Header.read(fd, path, size)
-        if verify:
-            return _verified(load_file(path, device), header, path)
         if target.type == "cpu":
             image = _CheckpointImage(path, fd, size, None, opts, read_cached_through_page_cache=True)
             fd = -1  # the image closes it
@@ -419,7 +417,8 @@ def load_file(filename, device="cpu", *, backend: Optional[str] = None, verify: 
                 image.start_reading()
                 image.finish_reading(resolve=False)
                 buffer = image.as_buffer()
-            return {k: _tensor_at(buffer, e, header.data_start) for k, e in header.entries.items()}
+            out = {k: _tensor_at(buffer, e, header.data_start) for k, e in header.entries.items()}
+            return _verified(out, header, path) if verify else out
         out = {k: torch.empty(e.shape, dtype=e.dtype, device=target) for k, e in header.entries.items()}
         pieces = [device_io.Piece(header.data_start + e.begin, e.nbytes, device_io.byte_view(out[k].untyped_storage()))
                   for k, e in header.entries.items() if e.nbytes]
@@ -430,7 +429,7 @@ def load_file(filename, device="cpu", *, backend: Optional[str] = None, verify: 
         except EOFError:
             raise SafetensorsFileError(f"{path}: the file ended before its {size} bytes were read (did it shrink "
                                        "while being read?)") from None
-        return out
+        return _verified(out, header, path) if verify else out
     finally:
         if fd >= 0:
             os.close(fd)
