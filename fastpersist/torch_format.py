@@ -231,6 +231,18 @@ class RecordingZipWriter:
     def write_record_metadata(self, name: str, nbytes: int) -> None:
         self.records.append(RecordSource(name, nbytes))
 
+    def record_plain_pickle(self, plain, alignment: int, disable_byteorder_record: bool) -> None:
+        """The records torch's _save hands over for a pickle plain_pickle
+        wrote, in its order: the pickle, format version, storage alignment,
+        byte order, then each storage (on its device) under its key."""
+        self.write_record("data.pkl", plain.data, len(plain.data))
+        self.write_record(".format_version", "1", 1)
+        self.write_record(".storage_alignment", str(alignment), len(str(alignment)))
+        if not disable_byteorder_record:
+            self.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+        for key, storage in plain.storages.items():
+            self.records.append(RecordSource(f"data/{key}", storage.nbytes(), storage=storage))
+
     def attach(self, storages: dict) -> bool:
         """Gives each storage record written as metadata only its captured
         storage (by key, ``data/<key>``); False, changing nothing, where one has none."""
@@ -279,6 +291,7 @@ class CheckpointPlan:
         the archive torch.save would write to path: the same records, named
         after the path as torch names them, in the same order. Every save
         path comes through here, so torch's own checks and API-usage log do too."""
+        from . import plain_pickle
         from ._torch_api import check_dill_version, log_api_usage, pickle_into, save_settings
 
         log_api_usage("torch.save")
@@ -287,10 +300,15 @@ class CheckpointPlan:
 
         compute_crc32, alignment = save_settings()
         recorder = RecordingZipWriter()
-        captured = pickle_into(obj, recorder, pickle_module, pickle_protocol, disable_byteorder_record)
-        if captured is not None and not recorder.attach(captured):  # a record with no storage: torch's own path
-            recorder = RecordingZipWriter()
-            pickle_into(obj, recorder, pickle_module, pickle_protocol, disable_byteorder_record, capture=False)
+        plain = plain_pickle.dump(obj) if plain_pickle.ENABLED and plain_pickle.applies(pickle_module, pickle_protocol) \
+            else None
+        if plain is not None:
+            recorder.record_plain_pickle(plain, alignment, disable_byteorder_record)
+        else:
+            captured = pickle_into(obj, recorder, pickle_module, pickle_protocol, disable_byteorder_record)
+            if captured is not None and not recorder.attach(captured):  # a record with no storage: torch's own path
+                recorder = RecordingZipWriter()
+                pickle_into(obj, recorder, pickle_module, pickle_protocol, disable_byteorder_record, capture=False)
         # records torch's zip writer adds when it closes the archive
         version = produced_format_version()
         recorder.write_record("version", version, len(version))
@@ -328,7 +346,7 @@ def stream_storage(storage, nbytes: int, sink, crc: Optional[int], copiers: Opti
     """Writes a storage (on any device) to the sink without a host copy of
     it: through the engine's buffers, its aligned middle with GPUDirect
     Storage where the transfer option takes it (device_io.write_storage)."""
-    from . import device_io
+    from . import plain_pickle, device_io
 
     return device_io.write_storage(device_io.byte_view(storage)[:nbytes], sink, crc, copiers)
 

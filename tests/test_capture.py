@@ -13,7 +13,7 @@ import torch
 import torch.serialization as ts
 
 import fastpersist
-from fastpersist import _torch_api, torch_format
+from fastpersist import plain_pickle, _torch_api, torch_format
 from corpus import corpus
 from test_format import OBJECTS, both, normalized, same_serialization_id  # noqa: F401 - fixture
 
@@ -33,8 +33,10 @@ def saved_bytes(obj, path, **kwargs):
 
 @pytest.fixture(autouse=True)
 def capture_always(monkeypatch):
-    """Capture runs for CPU state too (where it gains nothing, so "auto" skips it)."""
+    """Capture runs for CPU state too (where it gains nothing, so "auto" skips it),
+    and for plain data too (which plain_pickle writes without torch's pickling)."""
     monkeypatch.setattr(_torch_api, "CAPTURE", "always")
+    monkeypatch.setattr(plain_pickle, "ENABLED", False)
 
 
 @pytest.fixture
