@@ -55,7 +55,7 @@ OPTIONAL = [
      "#include <libaio.h>\nint main(void){io_context_t c=0; return io_setup(1,&c);}"),
 ]
 
-sources = ["fp_engine.c", "fp_backend_psync.c"]
+sources = ["fp_engine.c", "fp_backend_psync.c", "fp_pickle.c"]
 macros = []
 libraries = ["pthread", "dl", "z"]  # the copy-out helper thread; dlopen of ISA-L; zlib's CRC-32 without it
 static_archives = []  # linked into the module whole: no run-time dependency

@@ -212,4 +212,14 @@ struct fp_copy {
  */
 int fp_copy_many(const struct fp_copy *items, size_t count, int threads);
 
+/*
+ * Whether a protocol-2 pickle is a state dict as torch.save writes it (the
+ * rules of fastpersist/_state_pickle.py): 1 yes, 0 no, -ENOMEM. globals
+ * lists the GLOBALs allowed, each as [kind, length, "module\nname\n"];
+ * build_ordered_dict: whether BUILD may set an OrderedDict's attributes.
+ * No Python object is touched: bytes in, a decision out.
+ */
+int fp_pickle_scan(const uint8_t *data, size_t len, const uint8_t *globals, size_t globals_len,
+                   int build_ordered_dict);
+
 #endif

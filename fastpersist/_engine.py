@@ -64,6 +64,16 @@ def crc32(data, crc: int = 0) -> int:
     return lib.fp_crc32(crc, buf, len(buf))
 
 
+def pickle_scan(data, globals_table: bytes, build_ordered_dict: bool) -> bool:
+    """fp_pickle_scan: whether a pickle is a state dict as torch.save writes it (see _state_pickle)."""
+    lib, ffi = _load()
+    buf = ffi.from_buffer(data)
+    rc = lib.fp_pickle_scan(buf, len(buf), globals_table, len(globals_table), int(build_ordered_dict))
+    if rc < 0:
+        raise MemoryError("fp_pickle_scan ran out of memory")
+    return rc == 1
+
+
 def memory_at(address: int, nbytes: int):
     """A writable buffer over nbytes of this process's memory at address."""
     _, ffi = _load()

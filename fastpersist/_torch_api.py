@@ -366,12 +366,28 @@ class _NeedsTorchUnpickler(pickle.UnpicklingError):
 
 class _PlainStateWithStorages(_PlainStateUnpickler):
     """_PlainStateUnpickler resolving the storage classes as torch's _load
-    does (to StorageType), for unpickle_plain_state, which runs without _load."""
+    does (to StorageType), for unpickle_plain_state, which runs without _load,
+    and building tensors with _rebuild_plain_tensor."""
 
     def find_class(self, module: str, name: str):
         if (module, name) in _STORAGE_GLOBALS:
             return _ts.StorageType(name)
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _rebuild_plain_tensor
         return super().find_class(module, name)
+
+
+def _rebuild_plain_tensor(storage, storage_offset, size, stride, requires_grad, backward_hooks, metadata=None):
+    """torch._utils._rebuild_tensor_v2 for unpickle_plain_state, which makes
+    sure no fake mode is active before it unpickles: torch's looks for one
+    after every tensor (half of a small tensor's load time)."""
+    untyped = storage._untyped_storage
+    tensor = torch.empty((0,), dtype=storage.dtype, device=untyped.device).set_(untyped, storage_offset, size, stride)
+    tensor.requires_grad = requires_grad
+    if metadata:
+        torch._utils.set_tensor_metadata(tensor, metadata)
+    tensor._backward_hooks = backward_hooks  # as torch's: an empty OrderedDict, not None
+    return tensor
 
 
 class NotPlainState(Exception):
@@ -410,6 +426,8 @@ def unpickle_plain_state(zip_reader, storage_for, map_location, *, encoding: str
 
     if not _is_cpu_or_meta(map_location):
         raise NotPlainState("map_location")
+    if torch._guards.detect_fake_mode(None) is not None:  # torch's rebuild makes fake tensors then
+        raise NotPlainState("a fake mode is active")
     # what _load reads before the pickle (each a CRC-checked record here)
     if zip_reader.has_record(".format_version"):
         zip_reader.get_record(".format_version")

@@ -470,6 +470,9 @@ def _add_bench_parser(commands) -> None:
                        help="auto, all, or a list such as io_uring,libaio (default: auto)")
     small.add_argument("--plot", metavar="PATH", default="fastpersist-small.png",
                        help="PNG plot of the ratios against size (default: fastpersist-small.png)")
+    small.add_argument("--no-optimizer", dest="optimizer", action="store_false",
+                       help="leave out the optimizer-state row (Adam's state for a model of ~500 parameters: "
+                            "~1,500 small tensors, where per-tensor costs decide)")
     _common_bench_arguments(small, repeats=7)
     small.set_defaults(func=_cmd_bench)
 

@@ -32,7 +32,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, NamedTuple, Optional
 
-from . import _engine, _torch_api, device_io
+from . import _engine, _torch_api, device_io, gc_pause
 from .fileio import cached_fraction, prefaulting, read_extents, read_extents_through_page_cache, reading_engine
 from .options import Options, current_options
 from .torch_format import ArchiveIndex, CheckpointError, TorchArchiveReader, view_end
@@ -110,7 +110,8 @@ def load(f, map_location=None, pickle_module=None, *, weights_only: Optional[boo
 
     # The file first: legacy and TorchScript files go to torch.load before
     # anything below could warn twice.
-    image = _CheckpointImage.open(path, current_options())
+    with gc_pause.paused():  # the index: a few objects per record
+        image = _CheckpointImage.open(path, current_options())
     if image is None:  # legacy format, TorchScript or compressed records: torch's own path
         return delegate()
     with image:
@@ -170,7 +171,9 @@ def load(f, map_location=None, pickle_module=None, *, weights_only: Optional[boo
         if plain:
             # while the file is read: the tensors are views of the memory being filled
             try:
-                result = _torch_api.unpickle_plain_state(reader, reader.storage_for_key, map_location, **load_args)
+                with gc_pause.paused():
+                    result = _torch_api.unpickle_plain_state(reader, reader.storage_for_key, map_location,
+                                                             **load_args)
             except _torch_api.NotPlainState:
                 pass
         try:
@@ -456,6 +459,8 @@ class _CheckpointImage:
         before the central directory) that an image of the file would hold
         in memory for as long as any tensor of it lives. torch.save's files
         hold under 1 KiB outside records per record."""
+        if self.size <= self.MOST_OUTSIDE_RECORDS:
+            return False  # not worth listing the records (a few us each) to know
         outside = self.size - sum(r.size for r in self.index.records.values())
         return outside > self.MOST_OUTSIDE_RECORDS and outside > self.size // 2
 

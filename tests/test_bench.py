@@ -46,7 +46,11 @@ def test_small_bench_runs_the_default_rows_at_each_size_and_plots_them(tmp_path)
     assert "x vanilla" in out.stdout and "x ceiling" in out.stdout and "tiny GPT-2" in out.stdout
     assert plot.read_bytes().startswith(PNG_SIGNATURE)
     rows = read_csv(table)
-    assert sorted({r["size_gb"] for r in rows}) == ["0.001", "0.003"]
+    assert sorted({r["size_gb"] for r in rows if r["contents"] == "model"}) == ["0.001", "0.003"]
+    adam = [r for r in rows if r["contents"] == "optimizer"]  # Adam's state of a ~500-parameter model
+    assert {(r["operation"], r["mechanism"]) for r in adam} >= {("save, new file", "fastpersist.save"),
+                                                                ("load, fresh process", "fastpersist.load")}
+    assert "optimizer: Adam state of a tiny GPT-2" in out.stdout and "1452 tensors" in out.stdout
     for size in ("0.001", "0.003"):
         mechanisms = {(r["operation"], r["mechanism"]) for r in rows if r["size_gb"] == size}
         assert ("load, fresh process", "fastpersist.load") in mechanisms

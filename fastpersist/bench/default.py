@@ -80,6 +80,24 @@ def sized_model(nbytes: int, dtype) -> tuple:
     raise AssertionError("unreachable")
 
 
+def _adam_model():
+    """The tiny GPT-2 of the ladder with 40 layers: ~500 parameters (12 a layer, 4 more)."""
+    return dataclasses.replace(_ladder()[-1][1], layers=40)
+
+
+def adam_state(model) -> dict:
+    """torch.optim.Adam's state_dict after one step with random gradients:
+    for each parameter a step count (a 0-d tensor) and two moments."""
+    import torch
+
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return optimizer.state_dict()
+
+
 # ---------------------------------------------------------------------------
 # hooks that say where a save's or load's time went
 
@@ -123,10 +141,16 @@ class DefaultBench:
         self.dtype = getattr(torch, args.dtype)
         self.options = common.bench_options()
         self.engines, self.engine_choice = common.resolve_engines(args.engines, self.options)
-        self.config, self.base_name, self.base_layers = sized_model(int(args.size * GB), self.dtype)
         from . import models
 
-        model_bytes = models.param_bytes(self.config, self.dtype)
+        self.contents = getattr(args, "contents", "model")
+        if self.contents == "optimizer":
+            # Adam's state for a model of ~500 parameters: ~1,500 small tensors, the per-tensor regime
+            self.config = _adam_model()
+            self.base_name, self.base_layers = "Adam state of a tiny GPT-2", self.config.layers
+        else:
+            self.config, self.base_name, self.base_layers = sized_model(int(args.size * GB), self.dtype)
+        model_bytes = models.param_bytes(self.config, self.dtype) * (2 if self.contents == "optimizer" else 1)
         # checkpoint.pt, latest-torch.pt, one latest file per engine, one new file at a time
         self.workspace = common.Workspace(args.folder, int(model_bytes * (3 + len(self.engines)) * 1.05) + (64 << 20))
         self.dropper = common.CacheDropper(args.cache_drop)
@@ -151,10 +175,13 @@ class DefaultBench:
         start = time.perf_counter()
         self.model = models.build(self.config, self.dtype)
         self.state = self.model.state_dict()
+        if self.contents == "optimizer":
+            self.state = adam_state(self.model)
+            self.model = self.state  # what load_into fills: the optimizer's state dict, as its docs say
         self.build_seconds = time.perf_counter() - start
         self.storages = [s for s in common.distinct_storages(self.state) if s.nbytes()]
         self.storage_sizes = [s.nbytes() for s in self.storages]  # the pieces the ceiling touches
-        self.tensor_count = len(self.state)
+        self.tensor_count = sum(1 for _ in common.tensors_in(self.state))
         bar.set_postfix_str("writing the checkpoint to load")
         original_save()(self.state, self.checkpoint)
         common.fsync_path(self.checkpoint)

@@ -20,15 +20,17 @@ from .default import DefaultBench, result_rows
 PLOTTED = ("fastpersist.save", "fastpersist.load", "fastpersist.load_into (existing model)")
 
 
-def measure_size(args, size: float) -> tuple:
-    """(rows, the bench's description of its model) of one default-bench run at size GB."""
-    bench = DefaultBench(argparse.Namespace(**{**vars(args), "size": size}))
+def measure_size(args, size: float, contents: str = "model") -> tuple:
+    """(rows, the bench's description of its model) of one default-bench run
+    at size GB; contents "optimizer": Adam's state of a ~500-parameter model (size unused)."""
+    bench = DefaultBench(argparse.Namespace(**{**vars(args), "size": size, "contents": contents}))
     try:
         series = bench.run()
         rows = result_rows(series, bench.engines)
         for row, s in zip(rows, series):
             row["size_gb"] = size
             row["file_bytes"] = bench.file_size
+            row["contents"] = contents
             row["fastpersist"] = s.role == "fastpersist"
         return rows, (f"{bench.base_name} layout, {common.plural(bench.config.layers, 'layer')}, "
                       f"{bench.tensor_count} tensors, {bench.file_size / GB:.3f} GB file")
@@ -47,7 +49,7 @@ def plot(rows: list, path: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharex=True)
     lines = {}
     for r in rows:
-        if r["fastpersist"] and r["mechanism"] in PLOTTED:
+        if r["fastpersist"] and r["mechanism"] in PLOTTED and r.get("contents", "model") == "model":
             lines.setdefault(f"{r['operation']}: {r['mechanism']}", []).append(r)
     for label, points in sorted(lines.items()):
         points.sort(key=lambda r: r["file_bytes"])
@@ -77,6 +79,10 @@ def run(args) -> int:
         size_rows, model = measure_size(args, size)
         rows += size_rows
         models.append(f"{size:g} GB: {model}")
+    if getattr(args, "optimizer", True):
+        size_rows, model = measure_size(args, 0.0, "optimizer")
+        rows += size_rows
+        models.append(f"optimizer: {model}")
     wall = time.perf_counter() - started
     echo("fastpersist bench small: the default benchmark's rows at each size (see `fastpersist bench` for the "
          "method: fsync in every save, a dropped page cache before every load, shuffled rounds, medians, "
@@ -84,7 +90,7 @@ def run(args) -> int:
     for line in models:
         echo(f"  {line}")
     echo()
-    body = [(f"{r['file_bytes'] / 1e6:.1f}", r["operation"], r["mechanism"], r["engine"], f"{r['median_s']:.4f}",
+    body = [(f"{r['file_bytes'] / 1e6:.1f}" + (" (Adam)" if r["contents"] == "optimizer" else ""), r["operation"], r["mechanism"], r["engine"], f"{r['median_s']:.4f}",
              fmt(r["gb_per_s"]), fmt(r["x_vanilla"]), fmt(r["x_ceiling"])) for r in rows]
     for line in common.table(["MB", "operation", "mechanism", "engine", "median s", "GB/s", "x vanilla",
                               "x ceiling"], body, right=(0, 4, 5, 6, 7)):
@@ -97,7 +103,7 @@ def run(args) -> int:
                                       "repeats": args.repeats, "wall_s": wall, "results": rows})
         echo(f"wrote {args.json}")
     if args.csv:
-        common.write_csv(args.csv, rows, ["size_gb", "file_bytes", "operation", "mechanism", "engine",
+        common.write_csv(args.csv, rows, ["size_gb", "file_bytes", "contents", "operation", "mechanism", "engine",
                                           "median_s", "gb_per_s", "x_vanilla", "x_ceiling", "x_ceiling_low",
                                           "x_ceiling_high"])
         echo(f"wrote {args.csv}")

@@ -1,0 +1,107 @@
+"""The engine's C scan (fp_pickle_scan, behind _state_pickle.admits) decides
+as the rules written in Python (_state_pickle.admits_here) decide: on real
+state dict pickles, on every truncation and on mutations of them, and on
+generated opcode sequences."""
+import collections
+import io
+import pickle
+import random
+import zipfile
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fastpersist import _state_pickle, _torch_api
+
+from corpus import corpus
+
+
+def torch_pickle(obj) -> bytes:
+    buffer = io.BytesIO()
+    _torch_api.original_save()(obj, buffer)
+    with zipfile.ZipFile(io.BytesIO(buffer.getvalue())) as z:
+        return z.read(next(n for n in z.namelist() if n.endswith("/data.pkl")))
+
+
+def _state():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    return {"model": model.state_dict(), "opt": opt.state_dict(), "params": list(model.parameters()),
+            "big": {f"t{i}": torch.ones(1) for i in range(40)}, "lists": [list(range(5))] * 2, "none": None}
+
+
+PICKLES = {name: torch_pickle(obj) for name, obj in [*corpus().items(), ("state", _state())]}
+
+
+def agree(data: bytes) -> bool:
+    here = _state_pickle.admits_here(data)
+    assert _state_pickle.admits(data) == here, data
+    return here
+
+
+@pytest.mark.parametrize("name", PICKLES)
+def test_real_pickles(name):
+    agree(PICKLES[name])
+
+
+def test_state_dicts_are_admitted():
+    assert agree(PICKLES["state"]) and agree(PICKLES["state_dict"]) and agree(PICKLES["optimizer"])
+    assert not agree(PICKLES["storage"])  # a bare storage: torch's path
+
+
+@pytest.mark.parametrize("name", ["state", "state_dict", "nested"])
+def test_every_truncation(name):
+    data = PICKLES[name]
+    for end in range(len(data)):
+        assert not agree(data[:end])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_mutations(seed):
+    rng = random.Random(seed)
+    data = PICKLES["state"]
+    admitted = 0
+    for _ in range(1500):
+        b = bytearray(data)
+        for _ in range(rng.randint(1, 3)):
+            what = rng.random()
+            at = rng.randrange(len(b))
+            if what < 0.5:
+                b[at] = rng.randrange(256)
+            elif what < 0.75:
+                del b[at:at + rng.randint(1, 4)]
+            else:
+                b[at:at] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 4)))
+        admitted += agree(bytes(b))
+    assert admitted  # some mutations (in a string, a number) keep a state dict's shape
+
+
+_OPCODES = [pickle.MARK, pickle.STOP, pickle.BININT1 + b"\x05", pickle.BININT2 + b"\x01\x02",
+            pickle.BINUNICODE + b"\x01\x00\x00\x00a", pickle.BINPUT + b"\x00", pickle.BINPUT + b"\x01",
+            pickle.BINGET + b"\x00", pickle.LONG_BINPUT + b"\x02\x00\x00\x00", pickle.LONG_BINGET + b"\x01\x00\x00\x00",
+            pickle.TUPLE, pickle.TUPLE1, pickle.TUPLE2, pickle.TUPLE3, pickle.EMPTY_TUPLE, pickle.EMPTY_DICT,
+            pickle.EMPTY_LIST, pickle.SETITEM, pickle.SETITEMS, pickle.APPEND, pickle.APPENDS, pickle.BUILD,
+            pickle.REDUCE, pickle.BINPERSID, pickle.NONE, pickle.NEWTRUE, pickle.BINFLOAT + bytes(8),
+            pickle.LONG1 + b"\x01\x05", pickle.SHORT_BINSTRING + b"\x01a", pickle.POP, b"\xff",
+            b"ccollections\nOrderedDict\n", b"ctorch._utils\n_rebuild_tensor_v2\n", b"ctorch\nFloatStorage\n",
+            b"ctorch._utils\n_rebuild_parameter\n", b"cbuiltins\neval\n", b"c\n\n"]
+
+
+@settings(max_examples=1500, deadline=None)
+@given(st.lists(st.sampled_from(_OPCODES), max_size=40), st.booleans())
+def test_generated_opcode_sequences(ops, proto):
+    agree((b"\x80\x02" if proto else b"") + b"".join(ops))
+
+
+def test_a_tensor_built_by_hand_is_admitted_and_a_stray_build_is_not():
+    tensor = (b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\nq\x00((X\x07\x00\x00\x00storageq\x01ctorch\nFloatStorage\n"
+              b"q\x02X\x01\x00\x00\x000q\x03X\x03\x00\x00\x00cpuq\x04K\x01tq\x05QK\x00K\x01\x85q\x06K\x01\x85q\x07"
+              b"\x89ccollections\nOrderedDict\nq\x08)Rq\x09tq\x0aRq\x0b.")
+    assert agree(tensor)
+    # BUILD on the rebuild function (it would set attributes on it for the whole process)
+    assert not agree(tensor[:-1] + b"h\x00}b.")
+    assert not agree(b"\x80\x02ccollections\nOrderedDict\n}b.")
