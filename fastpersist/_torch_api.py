@@ -377,6 +377,9 @@ class _PlainStateWithStorages(_PlainStateUnpickler):
         return super().find_class(module, name)
 
 
+_element_sizes: dict = {}
+
+
 def _rebuild_plain_tensor(storage, storage_offset, size, stride, requires_grad, backward_hooks, metadata=None):
     """torch._utils._rebuild_tensor_v2 for unpickle_plain_state, which makes
     sure no fake mode is active before it unpickles: torch's looks for one
@@ -455,7 +458,10 @@ def unpickle_plain_state(zip_reader, storage_for, map_location, *, encoding: str
         typed = storages.get(key)
         if typed is None:
             dtype = storage_type.dtype
-            untyped = storage_for(key, numel * torch._utils._element_size(dtype), alignment)
+            size = _element_sizes.get(dtype)
+            if size is None:  # torch's _element_size, remembered (0.5 us a call)
+                size = _element_sizes[dtype] = torch._utils._element_size(dtype)
+            untyped = storage_for(key, numel * size, alignment)
             typed = torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
             # as _load: empty storages are not shared (they have no data pointer); nor are meta ones there,
             # but a layout must give a key's later references the first's storage (and dtype) as a real load does

@@ -471,6 +471,21 @@ def _eocd_search_start(size: int) -> int:
     return start
 
 
+class _Lazy:
+    """A message part formatted only if an error needs it (the parsers run it once per record)."""
+
+    __slots__ = ("_make",)
+
+    def __init__(self, make):
+        self._make = make
+
+    def __str__(self) -> str:
+        return self._make()
+
+    def __format__(self, spec: str) -> str:
+        return format(self._make(), spec)
+
+
 def _lower(name: bytes) -> bytes:
     """miniz compares names with ASCII-only case folding."""
     return name.translate(_ASCII_LOWER)
@@ -679,7 +694,7 @@ class ArchiveIndex:
     def _parse_central_directory(self, cd: bytes, count: int, cd_offset: int, this_disk: int) -> None:
         pos = 0
         for i in range(count):
-            where = f"central directory record {i} (offset {cd_offset + pos})"
+            where = _Lazy(lambda i=i, at=cd_offset + pos: f"central directory record {i} (offset {at})")
             left = len(cd) - pos
             if left < _CENTRAL_HEADER.size:
                 raise self._error(f"the central directory ends after {i} of {count} records")
@@ -723,7 +738,11 @@ class ArchiveIndex:
             e.index, e.position, e.name, e.flags, e.crc = i, cd_offset + pos, name, flags, crc
             e.method = method
             e.external_attr = external_attr
-            self._describe(e, cd[pos:pos + total], where)
+            if max(csize, usize, header_offset) == _U32_LIMIT and extra_len:
+                self._describe(e, cd[pos:pos + total], where)
+            else:  # what _describe finds without zip64 values (nearly every record)
+                e.stat_problem = ""
+                e.size, e.compressed_size, e.header_offset = usize, csize, header_offset
             self._entries.append(e)
             pos += total
 
@@ -912,7 +931,7 @@ class ArchiveIndex:
     def _locate(self, read_at, r: RecordEntry) -> int:
         """The offset of r's bytes, after the checks torch's reader makes
         when it extracts r; raises CheckpointError where it refuses."""
-        what = f"record '{r.name}'"
+        what = _Lazy(lambda: f"record '{r.name}'")
         if r.stat_problem:
             raise self._error(r.stat_problem)
         if r.directory or not r.compressed_size:

@@ -17,6 +17,15 @@ from corpus import DTYPES, corpus
 from test_format import both, normalized, same_serialization_id  # noqa: F401 (an autouse fixture)
 
 
+@pytest.fixture(autouse=True, params=["c", "python"])
+def implementation(request, monkeypatch):
+    """Every test runs with the C writer and with its Python reference."""
+    if request.param == "c":
+        assert plain_pickle._c is not None, "fastpersist._plain_pickle was not built"
+    monkeypatch.setattr(plain_pickle, "IMPLEMENTATION", request.param)
+    return request.param
+
+
 def torch_pickle(obj) -> bytes:
     """data.pkl as torch.save itself writes it."""
     buffer = io.BytesIO()
