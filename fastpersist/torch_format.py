@@ -703,7 +703,8 @@ class ArchiveIndex:
             if sig != _CENTRAL_SIG:
                 raise self._error(f"{where} is corrupt (no central directory signature)")
             name = cd[pos + 46:pos + 46 + name_len]
-            if extra_len and max(csize, usize, header_offset) == _U32_LIMIT:
+            zip64 = bool(extra_len) and max(csize, usize, header_offset) == _U32_LIMIT
+            if zip64:
                 if 46 + name_len + extra_len > left:
                     raise self._error(f"{where} runs past the end of the central directory")
                 extra = cd[pos + 46 + name_len:pos + 46 + name_len + extra_len]
@@ -738,7 +739,7 @@ class ArchiveIndex:
             e.index, e.position, e.name, e.flags, e.crc = i, cd_offset + pos, name, flags, crc
             e.method = method
             e.external_attr = external_attr
-            if max(csize, usize, header_offset) == _U32_LIMIT and extra_len:
+            if zip64:
                 self._describe(e, cd[pos:pos + total], where)
             else:  # what _describe finds without zip64 values (nearly every record)
                 e.stat_problem = ""
