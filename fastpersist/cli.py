@@ -301,6 +301,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             from .bench import report as module
         else:
             from .bench import default as module
+        if getattr(args, "ram_device", None):
+            from .bench.common import ram_device
+
+            with ram_device(args.ram_device) as folder:
+                args.folder = folder
+                return module.run(args)
         return module.run(args)
     except BenchError as exc:
         print(f"fastpersist bench: error: {exc}", file=sys.stderr)
@@ -376,6 +382,10 @@ def _common_bench_arguments(parser: argparse.ArgumentParser, repeats: int, csv: 
     parser.add_argument("--folder", default=None,
                         help="an existing folder on the filesystem to measure; the benchmark works in a "
                              "temporary folder inside it and removes it (default: the current folder)")
+    parser.add_argument("--ram-device", type=_positive_float, default=None, metavar="GB",
+                        help="measure on ext4 on a loop device backed by this much RAM (/dev/shm), made for the "
+                             "run and removed after it: a device faster than the CPU side, where per-tensor "
+                             "costs and memory faulting show (needs root; overrides --folder)")
     parser.add_argument("--repeats", type=_positive_int, default=repeats, metavar="N",
                         help=f"rounds; medians are reported (default: {repeats})")
     parser.add_argument("--cache-drop", choices=("auto", "file"), default="auto",

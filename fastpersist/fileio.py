@@ -110,28 +110,64 @@ def _read_extents(engine: _engine.Engine, direct_fd: int, fd: int, path: str, ex
 
 
 def read_extents_through_page_cache(fd: int, path: str, extents, checksums: bool) -> dict:
-    """read_extents without an engine: plain preads through the page cache
-    into each (address, offset, nbytes) extent, {(offset, nbytes): crc} with
+    """read_extents without an engine: preads through the page cache into
+    each (address, offset, nbytes) extent, {(offset, nbytes): crc} with
     checksums, EOFError where the file ended early. For small files in a
     process with no engine idle: creating one (locking and registering its
-    buffers) costs more than reading them."""
+    buffers) costs more than reading them.
+
+    Extents that follow one another in the file with gaps of at most
+    GATHER_GAP bytes between them (a checkpoint's small tensors, with their
+    records' headers between) are read by one preadv each run, up to
+    GATHER_IOVECS pieces: the gaps land in a scratch buffer, every extent
+    straight in its destination (an optimizer state's 1,452 records took
+    1,452 preads before)."""
     import ctypes
 
     crcs = {}
-    for address, offset, nbytes in sorted({e for e in extents if e[2]}, key=lambda e: (e[1], e[2])):
-        view = memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B")
+    pending = sorted({e for e in extents if e[2]}, key=lambda e: (e[1], e[2]))
+    scratch = memoryview(bytearray(GATHER_GAP))
+    start = 0
+    while start < len(pending):
+        stop, end = start + 1, pending[start][1] + pending[start][2]
+        while stop < len(pending) and 2 * (stop - start) < GATHER_IOVECS:
+            offset = pending[stop][1]
+            if offset < end or offset - end > GATHER_GAP:
+                break
+            end = offset + pending[stop][2]
+            stop += 1
+        run = pending[start:stop]
+        views = [memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B")
+                 for address, _, nbytes in run]
         try:
-            done = 0
-            while done < nbytes:
-                got = os.preadv(fd, [view[done:]], offset + done)
-                if got == 0:
-                    raise EOFError(path)
-                done += got
+            iov, position = [], run[0][1]
+            for (_, offset, nbytes), view in zip(run, views):
+                if offset > position:
+                    iov.append(scratch[:offset - position])
+                iov.append(view)
+                position = offset + nbytes
+            total = position - run[0][1]
+            got = os.preadv(fd, iov, run[0][1]) if len(iov) > 1 else 0
+            if got != total:  # one piece, or a short read: piece by piece
+                for (_, offset, nbytes), view in zip(run, views):
+                    done = 0
+                    while done < nbytes:
+                        n = os.preadv(fd, [view[done:]], offset + done)
+                        if n == 0:
+                            raise EOFError(path)
+                        done += n
             if checksums:
-                crcs[offset, nbytes] = _engine.crc32(view)
+                for (_, offset, nbytes), view in zip(run, views):
+                    crcs[offset, nbytes] = _engine.crc32(view)
         finally:
-            view.release()
+            for view in views:
+                view.release()
+        start = stop
     return crcs
+
+
+GATHER_GAP = 64 << 10
+GATHER_IOVECS = 1024  # the kernel's IOV_MAX
 
 
 class _Prefault:

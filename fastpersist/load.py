@@ -35,7 +35,7 @@ from typing import Any, NamedTuple, Optional
 from . import _engine, _torch_api, device_io, gc_pause
 from .fileio import cached_fraction, prefaulting, read_extents, read_extents_through_page_cache, reading_engine
 from .options import Options, current_options
-from .torch_format import ArchiveIndex, CheckpointError, TorchArchiveReader, view_end
+from .torch_format import ArchiveIndex, CheckpointError, TorchArchiveReader, _Lazy, view_end
 
 _TRUE = ("1", "y", "yes", "true")
 
@@ -851,14 +851,17 @@ def load_into(target, f, *, strict: bool = True, verify: bool = False, weights_o
     if not is_module and not isinstance(target, Mapping):
         raise TypeError(f"load_into needs an nn.Module or a state dict, got {type(target).__name__}")
 
-    image = _CheckpointImage.open(path, opts)
-    if image is None:
-        raise CheckpointError(f"{path}: load_into reads zip checkpoints written by torch.save (1.6 or later); "
-                              "this one is legacy, TorchScript or compressed")
-    with image:
-        plan = _fill(image, target, is_module, strict, verify, weights_only, read_early=True)
-        if plan is None:  # a guessed data place was wrong (nothing was written): again, from the local headers
-            plan = _fill(image, target, is_module, strict, verify, weights_only, read_early=False)
+    # the index, the layout and the plan: a few objects per tensor (a state_dict() hook of the
+    # target's may run meanwhile: the collector only waits, nothing is lost)
+    with gc_pause.paused():
+        image = _CheckpointImage.open(path, opts)
+        if image is None:
+            raise CheckpointError(f"{path}: load_into reads zip checkpoints written by torch.save (1.6 or later); "
+                                  "this one is legacy, TorchScript or compressed")
+        with image:
+            plan = _fill(image, target, is_module, strict, verify, weights_only, read_early=True)
+            if plan is None:  # a guessed data place was wrong (nothing was written): again, from the local headers
+                plan = _fill(image, target, is_module, strict, verify, weights_only, read_early=False)
     return IncompatibleKeys(plan.missing, plan.unexpected)
 
 
@@ -1180,7 +1183,7 @@ def _plan(image: _CheckpointImage, stored: dict, target: dict, strict: bool, is_
         if path not in target:
             continue
         dst = target[path]
-        name = _key(path)
+        name = _Lazy(lambda path=path: _key(path))  # for the error messages only
         if not isinstance(value, torch.Tensor):
             if isinstance(dst, torch.Tensor):
                 errors.append(f'"{name}" is a tensor in the target but a {type(value).__name__} in the checkpoint.')

@@ -24,6 +24,7 @@ from typing import Optional
 
 _U32_LIMIT = 0xFFFFFFFF
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
+_U16 = struct.Struct("<H")
 _CENTRAL_HEADER = struct.Struct("<I6H3I5H2I")
 _FLAGS = 0x0808  # bit 3: sizes and CRC in the data descriptor; bit 11: UTF-8 names
 _FLAGS_EMPTY = 0x0800  # miniz writes empty records with no data descriptor
@@ -68,16 +69,24 @@ def produced_format_version() -> bytes:
     return _produced_version
 
 
-@dataclass
 class RecordLayout:
-    """Where one record sits in the archive."""
+    """Where one record sits in the archive (slots: a checkpoint has a record per storage)."""
 
-    name: str  # full name, with the archive prefix
-    header_offset: int
-    data_offset: int
-    size: int
-    zip64: bool  # zip64 extra field and 64-bit data descriptor
-    crc: int = 0
+    __slots__ = ("name", "header_offset", "data_offset", "size", "zip64", "crc")
+
+    def __init__(self, name: str, header_offset: int, data_offset: int, size: int, zip64: bool, crc: int = 0):
+        self.name = name  # full name, with the archive prefix
+        self.header_offset = header_offset
+        self.data_offset = data_offset
+        self.size = size
+        self.zip64 = zip64  # zip64 extra field and 64-bit data descriptor
+        self.crc = crc
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, RecordLayout) and all(getattr(self, a) == getattr(other, a) for a in self.__slots__)
+
+    def __repr__(self) -> str:
+        return "RecordLayout(" + ", ".join(f"{a}={getattr(self, a)!r}" for a in self.__slots__) + ")"
 
     @property
     def flags(self) -> int:
@@ -123,6 +132,15 @@ class ZipLayout:
         """Places a record at the cursor; returns it and its local header bytes."""
         full = (self.prefix + name).encode("utf-8")
         offset = self.cursor
+        if size < _U32_LIMIT and offset < _U32_LIMIT:  # no zip64 field: nearly every record
+            start = offset + _LOCAL_HEADER.size + len(full) + 4
+            padding = -start % self.alignment
+            header = _LOCAL_HEADER.pack(0x04034B50, 0, _FLAGS if size else _FLAGS_EMPTY, 0, 0, 0, 0, 0, 0, len(full),
+                                        4 + padding) + full + b"FB" + _U16.pack(padding) + b"Z" * padding
+            record = RecordLayout(self.prefix + name, offset, start + padding, size, False)
+            self.records.append(record)
+            self.cursor = start + padding + size + (16 if size else 0)
+            return record, header
         zip64_extra = b""
         if size >= _U32_LIMIT or offset >= _U32_LIMIT:
             fields = b""
@@ -366,26 +384,16 @@ def write_plan(plan: CheckpointPlan, sink) -> int:
     ``write_address(address, nbytes, crc)`` (returns the updated CRC when crc
     is not None) and ``write_zeros(nbytes)``."""
     copiers: dict = {}  # stream_storage's, per device
-    small: list = []  # small records' bytes, written together: three engine calls a record cost ~6 us
-    small_bytes = 0
+    batch = _SmallRecords(sink, plan.compute_crc32)  # three engine calls a record cost ~6 us
     for r in plan.records:
         src = r.source
         storage = src.storage
         if storage is not None and 0 < src.nbytes <= SMALL_RECORD and storage.device.type == "cpu" \
                 and not STREAM_CPU_STORAGES:
-            data = ctypes.string_at(storage.data_ptr(), src.nbytes)
-            plan.set_crc(r, zlib.crc32(data) if plan.compute_crc32 else 0)
-            small += (r.header, data, plan.descriptor(r))
-            small_bytes += len(r.header) + src.nbytes
-            if small_bytes >= SMALL_BATCH:
-                sink.write(b"".join(small))
-                small.clear()
-                small_bytes = 0
+            plan.set_crc(r, batch.add(r.header, storage.data_ptr(), src.nbytes))
+            batch.add_bytes(plan.descriptor(r))
             continue
-        if small:
-            sink.write(b"".join(small))
-            small.clear()
-            small_bytes = 0
+        batch.flush()
         sink.write(r.header)
         if src.data is not None:
             sink.write(src.data)
@@ -402,9 +410,52 @@ def write_plan(plan: CheckpointPlan, sink) -> int:
         else:
             sink.write_zeros(src.nbytes)
         sink.write(plan.descriptor(r))
-    small.append(plan.central_directory())
-    sink.write(b"".join(small))
+    batch.add_bytes(plan.central_directory())
+    batch.flush()
     return plan.size
+
+
+class _SmallRecords:
+    """Small records' headers and bytes gathered in one buffer (each
+    storage copied once, its CRC-32 taken from the copy) and written to the
+    sink by one call per SMALL_BATCH bytes."""
+
+    def __init__(self, sink, compute_crc32: bool):
+        self.sink = sink
+        self.compute_crc32 = compute_crc32
+        self.buffer = None
+        self.used = 0
+
+    def _room(self, n: int) -> memoryview:
+        if self.buffer is None:
+            self.buffer = bytearray(max(SMALL_BATCH, n))
+            self.view = memoryview(self.buffer)
+            self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.buffer))
+        elif self.used + n > len(self.buffer):
+            self.flush()
+            if n > len(self.buffer):
+                self.view.release()
+                self.buffer = None
+                return self._room(n)
+        start = self.used
+        self.used += n
+        return start
+
+    def add_bytes(self, data: bytes) -> None:
+        start = self._room(len(data))
+        self.view[start:start + len(data)] = data
+
+    def add(self, header: bytes, address: int, nbytes: int) -> int:
+        """The header and nbytes at address; returns their CRC-32 (0 when CRCs are off)."""
+        self.add_bytes(header)
+        start = self._room(nbytes)
+        ctypes.memmove(self.address + start, address, nbytes)
+        return zlib.crc32(self.view[start:start + nbytes]) if self.compute_crc32 else 0
+
+    def flush(self) -> None:
+        if self.used:
+            self.sink.write(self.view[:self.used])
+            self.used = 0
 
 
 # CPU storages of at most SMALL_RECORD bytes are copied (with their headers) into
@@ -472,7 +523,7 @@ def _eocd_search_start(size: int) -> int:
 
 
 class _Lazy:
-    """A message part formatted only if an error needs it (the parsers run it once per record)."""
+    """A message part formatted only if an error needs it (code that runs once per record or tensor)."""
 
     __slots__ = ("_make",)
 

@@ -105,7 +105,7 @@ def _columns(document: dict) -> list:
         return any(row.get(key) not in (None, "-", "", {}) for row in rows)
 
     candidates: list = [
-        ("model", "model", False), ("phase", "phase", False),
+        ("model", "model", False), ("checkpoint", "contents", False), ("phase", "phase", False),
         ("MB", lambda r: f"{r['file_bytes'] / 1e6:.1f}" if r.get("file_bytes") else "-", True),
         ("operation", "operation", False), ("mechanism", "mechanism", False), ("engine", "engine", False),
         ("buffer MiB", lambda r: f"{r['buffer_size'] / (1 << 20):g}" if r.get("buffer_size") else "-", True),
