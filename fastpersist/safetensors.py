@@ -24,6 +24,7 @@ the problem.
 """
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import struct
@@ -582,9 +583,10 @@ class safe_open:  # noqa: N801 - safetensors' name
         try:
             if self.device.type == "cpu":
                 # tensors are asked for one after another in file order (transformers materializes a
-                # shard so): a window of the file read at once serves the next ones as views
-                byte_view = self._from_window(offset, nbytes, opts)
-                if offset % entry.dtype.itemsize == 0:
+                # shard so): a window of the file read at once serves the next ones as views, each
+                # byte once; bytes handed out before are copied (safetensors' tensors share nothing)
+                byte_view, shared = self._from_window(offset, nbytes, opts)
+                if offset % entry.dtype.itemsize == 0 and not shared:
                     return byte_view.view(entry.dtype).view(shape)
                 out.reshape(-1).view(torch.uint8).copy_(byte_view)
             else:
@@ -597,10 +599,11 @@ class safe_open:  # noqa: N801 - safetensors' name
         return out
 
     def _from_window(self, offset: int, nbytes: int, opts):
-        """The file's bytes [offset, offset + nbytes) as a uint8 tensor with a
-        storage of its own over the window of the file read last, read anew
-        (WINDOW bytes from offset, or the tensor, whichever is larger; not past
-        the file) where they are not in it."""
+        """(The file's bytes [offset, offset + nbytes) as a uint8 tensor with a
+        storage of its own over the window of the file read last, whether any
+        of those bytes were handed out as a view before). The window is read
+        anew (WINDOW bytes from offset, or the tensor, whichever is larger; not
+        past the file) where the bytes are not in it."""
         with self._lock:  # transformers materializes a shard's tensors from several threads
             window = self._window
             if window is None or not (window[0] <= offset and offset + nbytes <= window[1]):
@@ -609,7 +612,14 @@ class safe_open:  # noqa: N801 - safetensors' name
                 else:
                     start, end = offset, min(self._size, offset + max(nbytes, WINDOW))
                 window = self._window = (start, end, _read_span(self._fd, self.path, start, end - start, opts))
-        return torch.frombuffer(window[2], dtype=torch.uint8, count=nbytes, offset=offset - window[0])
+                self._handed = ([], [])  # starts and ends of the views handed out, sorted, disjoint
+            starts, ends = self._handed
+            i = bisect.bisect_right(starts, offset)
+            shared = (i > 0 and ends[i - 1] > offset) or (i < len(starts) and starts[i] < offset + nbytes)
+            if not shared:
+                starts.insert(i, offset)
+                ends.insert(i, offset + nbytes)
+        return torch.frombuffer(window[2], dtype=torch.uint8, count=nbytes, offset=offset - window[0]), shared
 
 
 WINDOW = 64 << 20  # what safe_open reads at once from a large file: the tensors that follow share one read

@@ -144,6 +144,22 @@ def test_slices_are_safetensors_slices(tmp_path, index):
             ours.get_tensor("nope")
 
 
+def test_tensors_handed_out_twice_share_no_memory(tmp_path):
+    """As with safetensors, each get_tensor or slice is memory of its own:
+    writing into one changes no other (the first is a view of the file's
+    read, a repeat or an overlapping slice a copy)."""
+    tensors = {"m": torch.arange(40, dtype=torch.float32).reshape(4, 10), "v": torch.ones(8)}
+    path = _write(tmp_path / "s.safetensors", st.save(tensors))
+    with fst.safe_open(path, framework="pt") as f:
+        first, again = f.get_tensor("m"), f.get_tensor("m")
+        rows = f.get_slice("m")[1:3]
+        other = f.get_tensor("v")
+        first.zero_()
+        assert torch.equal(again, tensors["m"]) and torch.equal(rows, tensors["m"][1:3])
+        assert torch.equal(other, tensors["v"])
+        assert first.untyped_storage().data_ptr() != again.untyped_storage().data_ptr()
+
+
 def test_a_slice_of_rows_reads_from_those_rows_on_and_at_most_a_window(tmp_path, monkeypatch):
     """A slice reads from its first row on, at most a window of the file (or
     the slice, if larger): never the whole shard for one slice; the tensors
