@@ -113,8 +113,16 @@ _GLOBALS_TABLE = b"".join(bytes((kind, len(name))) + name for name, kind in GLOB
 def admits(pickled) -> bool:
     """True where the C unpickler may unpickle ``pickled`` in torch's place
     (see the module's note); never raises but MemoryError. The engine's C
-    scan, which tests/test_state_pickle.py holds to admits_here's decisions."""
+    scan, which tests/test_state_pickle.py holds to admits_here's decisions;
+    for a small pickle in a process that has not loaded the engine, the
+    Python form (what loading the engine's module would cost scans ~70
+    tensors)."""
+    if len(pickled) < SMALL_PICKLE and not _engine.loaded():
+        return admits_here(pickled)
     return _engine.pickle_scan(pickled, _GLOBALS_TABLE, _BUILD_ORDERED_DICT)
+
+
+SMALL_PICKLE = 8 << 10  # ~70 tensors of a state dict
 
 
 def admits_here(pickled: bytes) -> bool:

@@ -102,6 +102,15 @@ def test_safetensors_bench_runs_every_mechanism_and_leaves_nothing(tmp_path):
         assert (operation, "fastpersist load_file" if "load" in operation else "fastpersist save_file") in pairs
     assert ("cold load, fresh process", "raw engine read") in pairs
     assert ("save", "safetensors save_file + fsync") in pairs
+    import importlib.util
+
+    line = next((x for x in out.stderr.splitlines() if x.startswith("not measured (not installed): ")), "")
+    missing = set(line.split(": ", 1)[1].split(", ")) if line else set()
+    for mechanism, module in (("fastsafetensors (nogds, CPU)", "fastsafetensors"),
+                              ("runai-model-streamer", "runai_model_streamer")):
+        installed = importlib.util.find_spec(module) is not None
+        assert (("cold load, fresh process", mechanism) in pairs) == installed  # a peer where it is installed
+        assert (module in missing) != installed  # and a missing one named
     assert all(r["median_s"] > 0 for r in rows)
     only_outputs_left(tmp_path, ["s.json"])
 

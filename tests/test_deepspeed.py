@@ -18,6 +18,21 @@ import pytest
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("deepspeed is not installed (pip install 'fastpersist[deepspeed]')", allow_module_level=True)
 
+@pytest.fixture(autouse=True)
+def no_shared_memory_left():
+    """DeepSpeed's CPU accelerator leaves a 64 MiB allreduce buffer in
+    /dev/shm per process; the runs here remove theirs (the machine's RAM)."""
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    yield
+    if os.path.isdir("/dev/shm"):
+        for name in set(os.listdir("/dev/shm")) - before:
+            if name.startswith("deepspeed_"):
+                try:
+                    os.unlink(os.path.join("/dev/shm", name))
+                except OSError:
+                    pass
+
+
 SCRIPT = textwrap.dedent('''
     import json, os, sys
     import torch, deepspeed

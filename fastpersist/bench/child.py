@@ -255,10 +255,23 @@ def _safetensors_load(spec: dict) -> dict:
             dtype = getattr(torch, spec.get("dtype", "bfloat16"))
             torch.frombuffer(memory, dtype=dtype, count=size // dtype.itemsize).sum()
         return {"seconds": time.perf_counter() - start}
+    loaded = []
+    if mechanism == "fastsafetensors (nogds, CPU)":  # every file at once, as its loader takes them
+        from fastsafetensors import fastsafe_open
+
+        with fastsafe_open(filenames=list(paths), nogds=True, device="cpu") as f:
+            loaded.append({k: f.get_tensor(k) for k in f.keys()})
+        paths = []
+    elif mechanism == "runai-model-streamer":
+        from runai_model_streamer import SafetensorsStreamer
+
+        with SafetensorsStreamer() as streamer:
+            streamer.stream_files(list(paths), device="cpu")
+            loaded.append(dict(streamer.get_tensors()))
+        paths = []
     import safetensors
     import safetensors.torch
 
-    loaded = []
     for path in paths:
         if mechanism == "safetensors load_file (mmap)":
             loaded.append(safetensors.torch.load_file(path))

@@ -803,9 +803,17 @@ def ram_device(gigabytes: float, shm: str = "/dev/shm") -> Iterator[str]:
     for tool in ("losetup", "mkfs.ext4", "mount", "umount"):
         if shutil.which(tool) is None:
             raise BenchError(f"--ram-device needs {tool}")
+    import signal
+    import threading
+
     image = tempfile.mktemp(prefix="fastpersist-ramdev-", suffix=".img", dir=shm)
     mountpoint = tempfile.mkdtemp(prefix="fastpersist-ramdev-")
     mounted = False
+    # a SIGTERM (a job's timeout) unwinds through the clean-up below instead of leaving the mount and
+    # its RAM behind
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         with open(image, "wb") as f:
             f.truncate(size)
@@ -825,3 +833,5 @@ def ram_device(gigabytes: float, shm: str = "/dev/shm") -> Iterator[str]:
             os.rmdir(mountpoint)
         with contextlib.suppress(OSError):
             os.unlink(image)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)

@@ -24,7 +24,11 @@ class FreshProcesses:
         # the server and its children read the environment as it is now
         os.environ["FASTPERSIST_AUTOPATCH"] = "0"
         self._context = multiprocessing.get_context("forkserver")
-        self._context.set_forkserver_preload(["torch", "fastpersist", "fastpersist.bench.child",
+        # fastpersist's modules that its saves and loads import on first use count as its import: an
+        # install compiled them (pip writes their bytecode); where bytecode is not written (an editable
+        # tree with PYTHONDONTWRITEBYTECODE) each child would compile them again, which no install pays
+        self._context.set_forkserver_preload(["torch", "fastpersist", "fastpersist.plain_pickle",
+                                              "fastpersist.gc_pause", "fastpersist.bench.child",
                                               "fastpersist.bench.common", "fastpersist.bench.models"])
         from multiprocessing import forkserver
 

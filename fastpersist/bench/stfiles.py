@@ -12,14 +12,17 @@ order shuffled from round to round:
 - cold load, each in a fresh process with the files dropped from the page
   cache, every byte touched: ``safetensors.torch.load_file`` (its mmap
   backend), ``safe_open(..., backend="pread")`` where this safetensors has
-  it, fastpersist's ``load_file``, and the raw engine's read into memory
-  mapped then;
+  it, fastpersist's ``load_file``, the raw engine's read into memory
+  mapped then, and where installed fastsafetensors (``fastsafe_open``,
+  ``nogds=True``, to the CPU) and runai-model-streamer
+  (``SafetensorsStreamer``, to the CPU);
 - warm load (the files in the page cache), in this process: safetensors'
   ``load_file`` and fastpersist's.
 """
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import random
 import time
@@ -145,6 +148,9 @@ class SafetensorsBench:
 
 COLD = ("safetensors load_file (mmap)", "safetensors safe_open (pread)", "fastpersist load_file",
         "raw engine read")
+# the loaders that compete with it, each measured where its package is installed (the `bench` extra's
+# optional peers): {mechanism: module}
+PEERS = {"fastsafetensors (nogds, CPU)": "fastsafetensors", "runai-model-streamer": "runai_model_streamer"}
 SAVES = ("safetensors save_file + fsync", "fastpersist save_file", "raw engine write")
 WARM = ("safetensors load_file (mmap)", "fastpersist load_file")
 
@@ -154,6 +160,8 @@ def _role(mechanism: str) -> str:
         return "ceiling"
     if mechanism.startswith("safetensors"):
         return "vanilla"
+    if mechanism in PEERS:
+        return "other"
     return "fastpersist"
 
 
@@ -168,6 +176,10 @@ def run(args) -> int:
         import safetensors
 
         has_pread = _has_pread_backend(bench.files[bench.workloads[1][0]][0])
+        peers = tuple(m for m, module in PEERS.items() if importlib.util.find_spec(module) is not None)
+        missing = [module for module in PEERS.values() if importlib.util.find_spec(module) is None]
+        if missing:
+            common.notice(f"not measured (not installed): {', '.join(missing)}")
         series, measures = [], []
         for label, shards in bench.workloads:
             nbytes = sum(os.path.getsize(p) for p in bench.files[label])
@@ -175,7 +187,7 @@ def run(args) -> int:
                 s = Series(f"save: {label}", m, role=_role(m), nbytes=nbytes)
                 series.append(s)
                 measures.append((s, lambda label=label, shards=shards, m=m: bench.save(label, shards, m)))
-            for m in COLD:
+            for m in COLD + peers:
                 if m.endswith("(pread)") and not has_pread:
                     continue
                 s = Series(f"cold load, fresh process: {label}", m, role=_role(m), nbytes=nbytes)
