@@ -43,6 +43,17 @@ static uint32_t u32_at(const uint8_t *p)
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
 
+/* a memo index after a PUT or GET opcode: 4 bytes (long) or 1; 0 where the data ends first */
+static int memo_index(const uint8_t *data, size_t end, size_t *pos, int long_form, size_t *index)
+{
+    size_t n = long_form ? 4 : 1;
+    if (end - *pos < n)
+        return 0;
+    *index = long_form ? u32_at(data + *pos) : data[*pos];
+    *pos += n;
+    return 1;
+}
+
 static int is_size(uint8_t k)
 {
     return k == PLAIN_TUPLE || k == EMPTY_TUPLE;
@@ -116,14 +127,8 @@ static int scan(const uint8_t *data, size_t end, const uint8_t *globals, size_t 
         case 'q': /* BINPUT */
         case 'r': { /* LONG_BINPUT */
             size_t index;
-            if (op == 'r') {
-                NEED(4);
-                index = u32_at(data + pos);
-                pos += 4;
-            } else {
-                NEED(1);
-                index = data[pos++];
-            }
+            if (!memo_index(data, end, &pos, op == 'r', &index))
+                return 0;
             if (FRAME == 0)
                 return 0;
             /* torch.save numbers memo entries 0, 1, 2...: a later index would
@@ -145,14 +150,8 @@ static int scan(const uint8_t *data, size_t end, const uint8_t *globals, size_t 
         case 'h': /* BINGET */
         case 'j': { /* LONG_BINGET */
             size_t index;
-            if (op == 'j') {
-                NEED(4);
-                index = u32_at(data + pos);
-                pos += 4;
-            } else {
-                NEED(1);
-                index = data[pos++];
-            }
+            if (!memo_index(data, end, &pos, op == 'j', &index))
+                return 0;
             if (index >= memo_g->n)
                 return 0;
             PUSH(MEMO[index]);

@@ -27,8 +27,9 @@ BEGIN = re.compile(r"<!-- fastpersist bench report (\S+) -->\n")
 END = "<!-- end bench report -->"
 
 # the settings each benchmark's JSON records, as the flags that set them
-_FLAGS = {"size_gb": "--size", "sizes_gb": "--size", "repeats": "--repeats", "dtype": "--dtype",
-          "device": "--device", "models": "--models", "layers": "--layers", "shard_size_gb": "--shard-size"}
+_FLAGS = {"size_gb": "--size", "sizes_gb": "--sizes", "repeats": "--repeats", "dtype": "--dtype",
+          "device": "--device", "models": "--models", "layers": "--layers", "shard_size_gb": "--shard-size",
+          "ram_device_gb": "--ram-device"}
 
 
 def load(path: str) -> dict:
@@ -61,7 +62,8 @@ def _number(value: Any) -> str:
 def command_of(document: dict) -> str:
     """The command line the JSON's settings stand for."""
     parts = [document["benchmark"]]
-    settings = document.get("settings") or {k: document[k] for k in ("sizes_gb", "repeats") if k in document}
+    settings = document.get("settings") or {k: document[k] for k in ("sizes_gb", "repeats", "ram_device_gb")
+                                            if k in document}
     for key, flag in _FLAGS.items():
         value = settings.get(key)
         if value is None:
@@ -70,7 +72,7 @@ def command_of(document: dict) -> str:
             value = ",".join(_number(v) for v in value)
         parts.append(f"{flag} {_number(value)}")
     folder = (document.get("machine") or {}).get("folder")
-    if folder:
+    if folder and not settings.get("ram_device_gb"):  # a RAM device's folder was made for the run
         parts.append(f"--folder {os.path.dirname(folder.rstrip('/')) or '/'}")
     return " ".join(parts)
 

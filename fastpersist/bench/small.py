@@ -33,7 +33,8 @@ def measure_size(args, size: float, contents: str = "model") -> tuple:
             row["contents"] = contents
             row["fastpersist"] = s.role == "fastpersist"
         return rows, (f"{bench.base_name} layout, {common.plural(bench.config.layers, 'layer')}, "
-                      f"{bench.tensor_count} tensors, {bench.file_size / GB:.3f} GB file")
+                      f"{bench.tensor_count} tensors, {bench.file_size / GB:.3f} GB file"), \
+            common.machine_info(bench.workspace.path)
     finally:
         bench.close()
 
@@ -74,13 +75,13 @@ def run(args) -> int:
     started = time.perf_counter()
     common.notice(f"fastpersist bench small: sizes {', '.join(f'{s:g}' for s in args.sizes)} GB, "
                   f"{common.plural(args.repeats, 'round')} each")
-    rows, models = [], []
+    rows, models, machine = [], [], None
     for size in args.sizes:
-        size_rows, model = measure_size(args, size)
+        size_rows, model, machine = measure_size(args, size)
         rows += size_rows
         models.append(f"{size:g} GB: {model}")
     if getattr(args, "optimizer", True):
-        size_rows, model = measure_size(args, 0.0, "optimizer")
+        size_rows, model, machine = measure_size(args, 0.0, "optimizer")
         rows += size_rows
         models.append(f"optimizer: {model}")
     wall = time.perf_counter() - started
@@ -99,8 +100,10 @@ def run(args) -> int:
     echo(f"wrote {args.plot}")
     echo(f"wall time {wall:.0f} s")
     if args.json:
-        common.write_json(args.json, {"benchmark": "fastpersist bench small", "sizes_gb": args.sizes,
-                                      "repeats": args.repeats, "wall_s": wall, "results": rows})
+        common.write_json(args.json, {"benchmark": "fastpersist bench small", "machine": machine,
+                                      "sizes_gb": args.sizes, "repeats": args.repeats,
+                                      "ram_device_gb": getattr(args, "ram_device", None), "wall_s": wall,
+                                      "results": rows})
         echo(f"wrote {args.json}")
     if args.csv:
         common.write_csv(args.csv, rows, ["size_gb", "file_bytes", "contents", "operation", "mechanism", "engine",
