@@ -19,7 +19,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 PYTHON=${PYTHON:-python3}
 OUT=$ROOT/build/sanitize
-TESTS=${SANITIZE_TESTS:-tests/test_engine.py tests/test_save.py tests/test_faults.py tests/test_temporaries.py tests/test_streamed_write.py tests/test_streamed_read.py}
+TESTS=${SANITIZE_TESTS:-tests/test_engine.py tests/test_save.py tests/test_faults.py tests/test_temporaries.py tests/test_streamed_write.py tests/test_streamed_read.py tests/test_state_pickle.py tests/test_plain_pickle.py}
 # -fno-wrapv undoes the -fwrapv of CPython's own CFLAGS (which setuptools
 # passes on): under it signed overflow is defined, and UBSan would not check it.
 FLAGS="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g -O1 -fno-wrapv"
@@ -34,12 +34,13 @@ echo "== building the sanitized engine into ${OUT#"$ROOT"/}/lib"
 FASTPERSIST_EXTRA_CFLAGS="$FLAGS" "$PYTHON" setup.py -q build_ext --force \
     --build-lib "$OUT/lib" --build-temp "$OUT/tmp"
 cp fastpersist/*.py "$OUT/lib/fastpersist/"
-so=$(ls "$OUT"/lib/fastpersist/_engine_cffi*.so)
-symbols=$(nm -D "$so")
-if ! grep -q __asan_init <<<"$symbols" || ! grep -q __ubsan_handle <<<"$symbols"; then
-    echo "error: $so is not instrumented with ASan and UBSan" >&2
-    exit 1
-fi
+for so in "$OUT"/lib/fastpersist/_engine_cffi*.so "$OUT"/lib/fastpersist/_plain_pickle*.so; do
+    symbols=$(nm -D "$so")
+    if ! grep -q __asan_init <<<"$symbols" || ! grep -q __ubsan_handle <<<"$symbols"; then
+        echo "error: $so is not instrumented with ASan and UBSan" >&2
+        exit 1
+    fi
+done
 
 # 2. The runtimes. python is not instrumented, so libasan must come first in
 #    the process (LD_PRELOAD; it must also see every malloc from the start);

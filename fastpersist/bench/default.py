@@ -553,7 +553,7 @@ def run(args) -> int:
             "benchmark": "fastpersist bench", "machine": machine,
             "settings": {"size_gb": args.size, "repeats": args.repeats, "engines": bench.engines,
                          "engine_choice": bench.engine_choice, "options": dataclasses.asdict(bench.options),
-                         "cache_drop": args.cache_drop},
+                         "cache_drop": args.cache_drop, "ram_device_gb": getattr(args, "ram_device", None)},
             "model": model, "page_cache": bench.dropper.as_dict(), "method": method, "wall_s": wall,
             "results": rows})
         echo(f"wrote {args.json}")

@@ -336,7 +336,8 @@ def run(args) -> int:
                                       "gds": {"mode": bench.gds_mode, "why_not": bench.gds_why,
                                               "stats": gds_stats},
                                       "settings": {"size_gb": args.size, "repeats": args.repeats,
-                                                   "dtype": args.dtype, "device": str(bench.device)},
+                                                   "dtype": args.dtype, "device": str(bench.device),
+                                                   "ram_device_gb": getattr(args, "ram_device", None)},
                                       "results": rows})
         echo(f"wrote {args.json}")
     return 0

@@ -227,7 +227,8 @@ def run(args) -> int:
                                           "machine": common.machine_info(bench.workspace.path),
                                           "safetensors": safetensors.__version__,
                                           "settings": {"size_gb": args.size, "small_mb": args.small_mb,
-                                                       "repeats": args.repeats, "dtype": args.dtype},
+                                                       "repeats": args.repeats, "dtype": args.dtype,
+                                                       "ram_device_gb": getattr(args, "ram_device", None)},
                                           "page_cache": bench.dropper.as_dict(), "results": rows})
             echo(f"wrote {args.json}")
         if args.csv:
