@@ -377,6 +377,20 @@ def test_small_save_script_reports_every_mechanism_and_leaves_nothing(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_per_tensor_script_reports_every_mechanism_and_leaves_nothing(tmp_path):
+    """benchmarks/per_tensor.py at one round of 200 tensors: a row per
+    mechanism with its cost a tensor, the saves' beyond the raw write."""
+    out = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "per_tensor.py"), "--tensors", "200",
+                          "--repeats", "1", "--folder", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = {line[:42].strip(): line[42:].split() for line in out.stdout.splitlines()[2:]}
+    assert set(rows) == {"torch.save + fsync", "fastpersist.save", "fastpersist.save (Python pickle writer)",
+                         "raw engine write (same bytes)", "torch.load", "fastpersist.load"}
+    assert all(float(v[1]) > 0 for v in rows.values())
+    assert rows["fastpersist.save"][2] != "-" and rows["torch.load"][2] == "-"
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("script", ["torch_save_model.py", "torch_load_model.py"])
 def test_model_benchmark_scripts_run_and_refuse_a_missing_gpu(script, tmp_path):
     import torch
