@@ -181,6 +181,19 @@ def test_the_writer_is_the_one_saving(folder, monkeypatch):
     assert torch.equal(torch.load(folder / "x.pt")["a"], torch.ones(3))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_tensors_pickle_as_torch_does_and_their_storages_stay_on_the_device(folder):
+    device = torch.device("cuda")
+    base = torch.randn(10, device=device)
+    obj = {"a": base, "b": base[2:], "c": torch.ones(3, dtype=torch.bfloat16, device=device),
+           "u": torch.zeros(2, dtype=torch.uint16, device=device), "p": torch.nn.Parameter(torch.ones(2, device=device)),
+           "cpu": torch.ones(2), "where": torch.device("cuda", 0)}
+    ours = assert_same_pickle(obj)  # locations "cuda:0", a fresh string per storage, as torch writes them
+    assert [s.device.type for s in ours.storages.values()] == ["cuda", "cuda", "cuda", "cuda", "cpu"]
+    ref, saved = both(obj, folder)
+    assert normalized(ref) == normalized(saved)
+
+
 # -- generated structures ------------------------------------------------------
 
 _leaf_tensors = st.builds(
