@@ -279,52 +279,88 @@ static int save_tuple(W *w, PyObject *obj)
     return memoize(w, obj);
 }
 
-static int save_pairs(W *w, PyObject *items, Py_ssize_t start, Py_ssize_t stop)
+static int save_pair(W *w, PyObject *key, PyObject *value)
 {
-    Py_ssize_t i;
-    for (i = start; i < stop; i++) {
-        PyObject *pair = PyList_GetItem(items, i);
-        if (save(w, PyTuple_GetItem(pair, 0)) < 0 || save(w, PyTuple_GetItem(pair, 1)) < 0)
-            return -1;
-    }
-    return 0;
+    int rc;
+    Py_INCREF(key);
+    Py_INCREF(value);
+    rc = save(w, key) < 0 || save(w, value) < 0 ? -1 : 0;
+    Py_DECREF(key);
+    Py_DECREF(value);
+    return rc;
 }
 
+/* An exact dict's items, walked in place as the C pickler walks them: one
+ * item with SETITEM, else batches of 1000 (an empty last batch where the
+ * size is a multiple of 1000). */
 static int save_dict(W *w, PyObject *obj)
 {
-    Py_ssize_t n, start;
-    PyObject *items;
-    int rc = 0;
+    Py_ssize_t n, pos = 0, i;
+    PyObject *key, *value;
     if (op(w, '}') < 0 || memoize(w, obj) < 0)
         return -1;
     n = PyDict_Size(obj);
     if (n == 0)
         return 0;
-    items = PyDict_Items(obj);
-    if (!items)
-        return -1;
     if (n == 1) {
-        rc = save_pairs(w, items, 0, 1);
-        if (rc == 0)
-            rc = op(w, 's');
-        Py_DECREF(items);
-        return rc;
+        PyDict_Next(obj, &pos, &key, &value);
+        return save_pair(w, key, value) < 0 ? -1 : op(w, 's');
     }
-    /* an exact dict's batches of 1000: an empty last one at a multiple of 1000 */
-    for (start = 0; rc == 0; start += 1000) {
-        Py_ssize_t stop = start + 1000 < n ? start + 1000 : n;
-        rc = op(w, '(');
-        if (rc == 0)
-            rc = save_pairs(w, items, start, stop);
-        if (rc == 0)
-            rc = op(w, 'u');
-        if (start + 1000 > n)
-            break;
-    }
-    if (rc == 0 && PyDict_Size(obj) != n)
-        rc = unsupported("a dict changed size while pickled");
-    Py_DECREF(items);
+    do {
+        if (op(w, '(') < 0)
+            return -1;
+        for (i = 0; i < 1000 && PyDict_Next(obj, &pos, &key, &value); i++)
+            if (save_pair(w, key, value) < 0)
+                return -1;
+        if (op(w, 'u') < 0)
+            return -1;
+        if (PyDict_Size(obj) != n)
+            return unsupported("a dict changed size while pickled");
+    } while (i == 1000);
+    return 0;
+}
+
+/* An item (key, value) from an items iterator: saved, and released */
+static int save_item(W *w, PyObject *item)
+{
+    int rc = save_pair(w, PyTuple_GetItem(item, 0), PyTuple_GetItem(item, 1));
+    Py_DECREF(item);
     return rc;
+}
+
+/* An OrderedDict's items from its iterator, as the C pickler batches them:
+ * a trailing single item with SETITEM, other batches of up to 1000 */
+static int save_items(W *w, PyObject *iterator)
+{
+    for (;;) {
+        PyObject *first = PyIter_Next(iterator), *item;
+        Py_ssize_t n = 1;
+        if (!first)
+            return PyErr_Occurred() ? -1 : 0;
+        item = PyIter_Next(iterator);
+        if (!item) {
+            if (PyErr_Occurred()) {
+                Py_DECREF(first);
+                return -1;
+            }
+            return save_item(w, first) < 0 ? -1 : op(w, 's');
+        }
+        if (op(w, '(') < 0 || save_item(w, first) < 0) {
+            Py_DECREF(item);
+            return -1;
+        }
+        while (item) {
+            if (save_item(w, item) < 0)
+                return -1;
+            if (++n == 1000)
+                break;
+            item = PyIter_Next(iterator);
+        }
+        if (PyErr_Occurred() || op(w, 'u') < 0)
+            return -1;
+        if (n < 1000)
+            return 0;
+    }
 }
 
 static int save_list(W *w, PyObject *obj)
@@ -371,37 +407,23 @@ static int empty_ordered_dict(W *w)
 
 static int save_ordered_dict(W *w, PyObject *obj)
 {
-    PyObject *state = PyObject_GetAttr(obj, s_dict), *items_view = NULL, *items = NULL;
-    Py_ssize_t n, start;
+    /* OrderedDict.__reduce__: (OrderedDict, (), __dict__ or None, None, iter(items)) */
+    PyObject *state = PyObject_GetAttr(obj, s_dict), *items_view = NULL, *iterator = NULL;
     int rc = -1;
     if (!state)
         return -1;
     if (global(w, w->ctx[C_ORDERED_DICT]) < 0 || out(w, ")R", 2) < 0 || memoize(w, obj) < 0)
         goto done;
     items_view = PyObject_CallMethodObjArgs(obj, s_items, NULL);
-    if (!items_view)
+    if (!items_view || !(iterator = PyObject_GetIter(items_view)) || save_items(w, iterator) < 0)
         goto done;
-    items = PySequence_List(items_view);
-    if (!items)
-        goto done;
-    n = PyList_Size(items);
-    /* items from an iterator: batches of 1000, a trailing single item with SETITEM */
-    for (start = 0; start < n; start += 1000) {
-        Py_ssize_t stop = start + 1000 < n ? start + 1000 : n;
-        if (stop - start == 1) {
-            if (save_pairs(w, items, start, stop) < 0 || op(w, 's') < 0)
-                goto done;
-        } else if (op(w, '(') < 0 || save_pairs(w, items, start, stop) < 0 || op(w, 'u') < 0) {
-            goto done;
-        }
-    }
     if (PyDict_Size(state) > 0 && (save(w, state) < 0 || op(w, 'b') < 0))
         goto done;
     rc = 0;
 done:
     Py_DECREF(state);
     Py_XDECREF(items_view);
-    Py_XDECREF(items);
+    Py_XDECREF(iterator);
     return rc;
 }
 

@@ -65,7 +65,6 @@ _V3_DTYPES = frozenset(torch.storage._new_dtypes())
 _STORAGE_CLASSES = {dtype: getattr(torch, name) for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
 _REGISTRY = [(priority, tagger) for priority, tagger, _ in torch.serialization._package_registry]
 _get_tensor_metadata = torch._C._get_tensor_metadata
-_ALL_DTYPES = [v for v in vars(torch).values() if isinstance(v, torch.dtype)]
 
 
 def _latin1_is_shared() -> bool:
@@ -119,7 +118,7 @@ def dump(obj) -> Optional[PlainPickle]:
         return None
 
 
-# The writer in C (csrc/fp_plain_pickle.c: ~2.5 us a tensor against ~8 for
+# The writer in C (csrc/fp_plain_pickle.c: ~5 us a tensor against ~8 for
 # _Writer below, which stays as its reference and where it is not built).
 try:
     from . import _plain_pickle as _c
@@ -135,8 +134,11 @@ def _c_context() -> tuple:
     if _context is None:
         import _codecs
 
-        names = {dtype: f"ctorch\n{dtype.__reduce__()}\n".encode() for dtype in _ALL_DTYPES
-                 if isinstance(dtype.__reduce__(), str) and getattr(torch, dtype.__reduce__(), None) is dtype}
+        names = {}  # GLOBAL's lines: every dtype torch names, then the classes and functions the pickle names
+        for dtype in {v for v in vars(torch).values() if isinstance(v, torch.dtype)}:
+            name = dtype.__reduce__()
+            if isinstance(name, str) and getattr(torch, name, None) is dtype:
+                names[dtype] = f"ctorch\n{name}\n".encode()
         for obj, module, name in [(_OrderedDict, "collections", "OrderedDict"),
                                   (torch._utils._rebuild_tensor_v2, "torch._utils", "_rebuild_tensor_v2"),
                                   (torch._utils._rebuild_tensor_v3, "torch._utils", "_rebuild_tensor_v3"),
@@ -183,7 +185,7 @@ class _Writer:
         self.keep: list = []     # objects of ours whose ids are in the memo
         self.size = 0            # next memo index
         self.storages: dict = {}  # key -> storage, in key order
-        self.keys: dict = {}      # storage._cdata -> (key, memo index of the key string)
+        self.keys: dict = {}      # storage._cdata -> memo index of its key string
         self.dtypes: dict = {}    # data_ptr -> dtype (torch refuses two dtypes over one memory)
 
     def dump(self, obj) -> PlainPickle:

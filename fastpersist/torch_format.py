@@ -426,7 +426,8 @@ class _SmallRecords:
         self.buffer = None
         self.used = 0
 
-    def _room(self, n: int) -> memoryview:
+    def _room(self, n: int) -> int:
+        """Where the next n bytes go in the buffer (the batch written out first where they do not fit)."""
         if self.buffer is None:
             self.buffer = bytearray(max(SMALL_BATCH, n))
             self.view = memoryview(self.buffer)

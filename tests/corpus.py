@@ -1,5 +1,6 @@
 """The round-trip corpus shared by the save and load tests: every dtype,
 views, sharing, nesting, a model and its optimizer state."""
+import io
 import zipfile
 
 import torch
@@ -85,3 +86,13 @@ def rewrite_big_endian(little, big, itemsize_of):
                 n = itemsize_of(data)
                 data = b"".join(data[i:i + n][::-1] for i in range(0, len(data), n))
             dst.writestr(info.filename, data)
+
+
+def torch_pickle(obj) -> bytes:
+    """data.pkl as torch.save itself writes it (the original, unpatched)."""
+    from fastpersist import _torch_api
+
+    buffer = io.BytesIO()
+    _torch_api.original_save()(obj, buffer)
+    with zipfile.ZipFile(io.BytesIO(buffer.getvalue())) as z:
+        return z.read(next(n for n in z.namelist() if n.endswith("/data.pkl")))

@@ -1,9 +1,7 @@
 """plain_pickle writes the pickle torch.save writes, byte for byte, or
 declines (None) and torch's own pickling runs: either way the file is torch's."""
 import collections
-import io
 import sys
-import zipfile
 
 import pytest
 import torch
@@ -13,7 +11,7 @@ from hypothesis import strategies as st
 import fastpersist
 from fastpersist import _torch_api, plain_pickle
 
-from corpus import DTYPES, corpus
+from corpus import DTYPES, corpus, torch_pickle
 from test_format import both, normalized, same_serialization_id  # noqa: F401 (an autouse fixture)
 
 
@@ -24,14 +22,6 @@ def implementation(request, monkeypatch):
         assert plain_pickle._c is not None, "fastpersist._plain_pickle was not built"
     monkeypatch.setattr(plain_pickle, "IMPLEMENTATION", request.param)
     return request.param
-
-
-def torch_pickle(obj) -> bytes:
-    """data.pkl as torch.save itself writes it."""
-    buffer = io.BytesIO()
-    _torch_api.original_save()(obj, buffer)
-    with zipfile.ZipFile(io.BytesIO(buffer.getvalue())) as z:
-        return z.read(next(n for n in z.namelist() if n.endswith("/data.pkl")))
 
 
 def assert_same_pickle(obj):

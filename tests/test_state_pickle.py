@@ -2,27 +2,17 @@
 as the rules written in Python (_state_pickle.admits_here) decide: on real
 state dict pickles, on every truncation and on mutations of them, and on
 generated opcode sequences."""
-import collections
-import io
 import pickle
 import random
-import zipfile
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastpersist import _engine, _state_pickle, _torch_api
+from fastpersist import _engine, _state_pickle
 
-from corpus import corpus
-
-
-def torch_pickle(obj) -> bytes:
-    buffer = io.BytesIO()
-    _torch_api.original_save()(obj, buffer)
-    with zipfile.ZipFile(io.BytesIO(buffer.getvalue())) as z:
-        return z.read(next(n for n in z.namelist() if n.endswith("/data.pkl")))
+from corpus import corpus, torch_pickle
 
 
 def _state():

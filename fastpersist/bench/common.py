@@ -806,7 +806,8 @@ def ram_device(gigabytes: float, shm: str = "/dev/shm") -> Iterator[str]:
     import signal
     import threading
 
-    image = tempfile.mktemp(prefix="fastpersist-ramdev-", suffix=".img", dir=shm)
+    fd, image = tempfile.mkstemp(prefix="fastpersist-ramdev-", suffix=".img", dir=shm)
+    os.close(fd)
     mountpoint = tempfile.mkdtemp(prefix="fastpersist-ramdev-")
     mounted = False
     # a SIGTERM (a job's timeout) unwinds through the clean-up below instead of leaving the mount and
@@ -815,8 +816,7 @@ def ram_device(gigabytes: float, shm: str = "/dev/shm") -> Iterator[str]:
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
-        with open(image, "wb") as f:
-            f.truncate(size)
+        os.truncate(image, size)
         for cmd in (["mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0", image],
                     ["mount", "-o", "loop", image, mountpoint]):
             result = subprocess.run(cmd, capture_output=True, text=True)
