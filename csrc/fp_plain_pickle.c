@@ -442,11 +442,10 @@ static int save_bytes(W *w, PyObject *obj)
         text = PyUnicode_DecodeLatin1(PyBytes_AsString(obj), PyBytes_Size(obj), NULL);
         if (!text)
             return -1;
+        /* a one-character text is CPython's cached string, maybe already in the memo: save() looks */
         rc = keep(w, text);
         if (rc == 0)
-            rc = write_str(w, text);
-        if (rc == 0)
-            rc = memoize(w, text);
+            rc = save(w, text);
         Py_DECREF(text);
         if (rc < 0 || save(w, w->ctx[C_LATIN1]) < 0 || op(w, (char)0x86) < 0 || put(w) < 0 || op(w, 'R') < 0)
             return -1;

@@ -295,7 +295,8 @@ class _Writer:
             self.global_(_codecs.encode, "_codecs", "encode")
             text = obj.decode("latin1")
             self.keep.append(text)
-            self.save_str(text)
+            # a one-character text is CPython's cached string, maybe already in the memo: save() looks
+            self.save(text)
             self.save(_LATIN1)
             self.out += b"\x86"
             self.put()

@@ -46,6 +46,8 @@ PLAIN = {
                 -2**64, 2**2050, 1.5, -0.0, float("inf"), ""],
     "strings": ["x", "ключ", "\ud800", "a" * 300, "cpu", "storage", "latin1", "version"],
     "bytes": [b"", b"abc", bytes(range(256)), "latin1", b"abc"],
+    # a one-byte bytes decodes to CPython's cached one-character string: shared with the caller's own
+    "one_byte_bytes": ["\x86", b"\x86", b"a", "a", b"\x00", b"\x00"],
     "torch_values": [torch.float32, torch.bfloat16, torch.uint16, torch.device("cpu"), torch.device("cuda", 1),
                      torch.Size([2, 3]), torch.Size([]), torch.float32],
     "tuples": [(), (1,), (1, 2), (1, 2, 3), (1, 2, 3, 4), ((),), ((1, 2),) * 3],
