@@ -69,6 +69,12 @@ def crc32(data, crc: int = 0) -> int:
     return lib.fp_crc32(crc, buf, len(buf))
 
 
+def crc32_at(address: int, nbytes: int, crc: int = 0) -> int:
+    """The engine's CRC-32 of nbytes of this process's memory at address."""
+    lib, ffi = _load()
+    return lib.fp_crc32(crc, ffi.cast("char *", address), nbytes)
+
+
 def pickle_scan(data, globals_table: bytes, build_ordered_dict: bool) -> bool:
     """fp_pickle_scan: whether a pickle is a state dict as torch.save writes it (see _state_pickle)."""
     lib, ffi = _load()

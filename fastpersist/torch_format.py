@@ -425,6 +425,10 @@ class _SmallRecords:
         self.compute_crc32 = compute_crc32
         self.buffer = None
         self.used = 0
+        # the engine's CRC (ISA-L where installed: 1.7 us for 64 KiB against zlib's 15) once a save has loaded it
+        from . import _engine
+
+        self.crc32_at = _engine.crc32_at if _engine.loaded() else None
 
     def _room(self, n: int) -> int:
         """Where the next n bytes go in the buffer (the batch written out first where they do not fit)."""
@@ -451,7 +455,11 @@ class _SmallRecords:
         self.add_bytes(header)
         start = self._room(nbytes)
         ctypes.memmove(self.address + start, address, nbytes)
-        return zlib.crc32(self.view[start:start + nbytes]) if self.compute_crc32 else 0
+        if not self.compute_crc32:
+            return 0
+        if nbytes >= _ENGINE_CRC_FROM and self.crc32_at is not None:
+            return self.crc32_at(self.address + start, nbytes)
+        return zlib.crc32(self.view[start:start + nbytes])
 
     def flush(self) -> None:
         if self.used:
@@ -463,6 +471,7 @@ class _SmallRecords:
 # batches of about SMALL_BATCH bytes and written by one call each
 SMALL_RECORD = 64 << 10
 SMALL_BATCH = 1 << 20
+_ENGINE_CRC_FROM = 4 << 10  # below it, zlib's call costs less than the engine's
 
 
 # ---------------------------------------------------------------------------
