@@ -35,7 +35,8 @@ from typing import Any, NamedTuple, Optional
 from . import _engine, _torch_api, device_io, gc_pause
 from .fileio import cached_fraction, prefaulting, read_extents, read_extents_through_page_cache, reading_engine
 from .options import Options, current_options
-from .torch_format import ArchiveIndex, CheckpointError, TorchArchiveReader, _Lazy, view_end
+from ._torch_api import StoredStorage, StoredTensor
+from .torch_format import ArchiveIndex, CheckpointError, TorchArchiveReader, _Lazy
 
 _TRUE = ("1", "y", "yes", "true")
 
@@ -957,7 +958,7 @@ def _layout(image: _CheckpointImage, reader: TorchArchiveReader, weights_only: b
         image.prefetch_local_headers()
     if _plain_state_may_apply(reader.records_checked, weights_only, None if weights_only else pickle, {}):
         try:
-            stored = _torch_api.unpickle_plain_state(reader, reader.layout_storage_for_key, "meta")
+            stored = _torch_api.unpickle_plain_state(reader, reader.layout_offset_for_key, "meta", layout=True)
         except _torch_api.NotPlainState:
             pass
         else:
@@ -1031,8 +1032,8 @@ def _holds_tensors(value, known: Optional[dict] = None) -> bool:
     across calls (a container shared at every level is looked at once)."""
     import torch
 
-    if isinstance(value, torch.Tensor):
-        return True
+    if isinstance(value, (torch.Tensor, StoredTensor, StoredStorage, torch.storage.TypedStorage, torch.UntypedStorage)):
+        return True  # storages too: the layout's hold no data
     if not isinstance(value, (tuple, list, set, frozenset, Mapping)):
         return False
     known = {} if known is None else known
@@ -1049,7 +1050,7 @@ class _Plan:
         self.target = target
         self.swap = swap   # the file's byte order is not this machine's: stage and swap everything
         self.direct = []   # (file offset, nbytes, destination tensor)
-        self.staged = []   # (file offset of the storage, storage nbytes, meta tensor, destination tensor)
+        self.staged = []   # (file offset of the storage, storage nbytes, StoredTensor, destination tensor)
         self.values = []   # (key path, value) for non-tensor leaves of a dict target
         self.missing: list = []
         self.unexpected: list = []
@@ -1113,10 +1114,9 @@ class _Plan:
                         swapped[offset, nbytes, meta.dtype] = in_order
                     storage = in_order
                 view = torch.empty(0, dtype=meta.dtype, device=storage.device).set_(
-                    storage, meta.storage_offset(), meta.shape, meta.stride())
-                metadata = _torch_api.tensor_metadata(meta)
-                if metadata:  # neg/conj bits: copy_ resolves them, as load_state_dict(torch.load(...)) does
-                    _torch_api.set_tensor_metadata(view, metadata)
+                    storage, meta.storage_offset, meta.shape, meta.stride)
+                if meta.metadata:  # neg/conj bits: copy_ resolves them, as load_state_dict(torch.load(...)) does
+                    _torch_api.set_tensor_metadata(view, meta.metadata)
                 dst.copy_(view)
             for _, _, dst in self.direct:
                 torch.autograd.graph.increment_version(dst)  # like an in-place copy_
@@ -1184,9 +1184,18 @@ def _plan(image: _CheckpointImage, stored: dict, target: dict, strict: bool, is_
             continue
         dst = target[path]
         name = _Lazy(lambda path=path: _key(path))  # for the error messages only
-        if not isinstance(value, torch.Tensor):
+        layout = torch.strided
+        if isinstance(value, torch.Tensor):  # a meta tensor of torch's own layout
+            layout = value.layout
+            if layout == torch.strided and not value.is_quantized:
+                value = StoredTensor.of(value)
+        if not isinstance(value, (StoredTensor, torch.Tensor)):
             if isinstance(dst, torch.Tensor):
-                errors.append(f'"{name}" is a tensor in the target but a {type(value).__name__} in the checkpoint.')
+                stored_type = "TypedStorage" if type(value) is StoredStorage else type(value).__name__
+                errors.append(f'"{name}" is a tensor in the target but a {stored_type} in the checkpoint.')
+            elif isinstance(value, (StoredStorage, torch.storage.TypedStorage, torch.UntypedStorage)):
+                # the layout's storages hold no data: storing one would lose it
+                errors.append(f'"{name}" is a storage; load_into restores tensors (use fastpersist.load).')
             elif is_module:
                 errors.append(f'"{name}" holds a {type(value).__name__}, not a tensor; load_into restores tensors '
                               "(use load_state_dict for modules with extra state).")
@@ -1201,34 +1210,34 @@ def _plan(image: _CheckpointImage, stored: dict, target: dict, strict: bool, is_
             errors.append(f'"{name}" is a tensor in the checkpoint but a {type(dst).__name__} in the target.')
             continue
         if value.shape != dst.shape:
-            errors.append(f"size mismatch for {name}: copying a param with shape {value.shape} from checkpoint, "
-                          f"the shape in current model is {dst.shape}.")
+            errors.append(f"size mismatch for {name}: copying a param with shape {torch.Size(value.shape)} from "
+                          f"checkpoint, the shape in current model is {dst.shape}.")
             continue
         if value.dtype != dst.dtype:
             errors.append(f"dtype mismatch for {name}: the checkpoint holds {value.dtype}, the target {dst.dtype}.")
             continue
-        if value.layout != torch.strided or dst.layout != torch.strided or value.is_quantized or dst.is_quantized:
-            errors.append(f"{name}: load_into restores dense tensors; this one is {value.layout}.")
+        if type(value) is not StoredTensor or dst.layout != torch.strided or dst.is_quantized:
+            errors.append(f"{name}: load_into restores dense tensors; this one is {layout}.")
             continue
-        if value.numel() == 0:
+        numel = value.numel()
+        if numel == 0:
             continue
-        storage = value.untyped_storage()
-        offset = _torch_api.checkpoint_offset(storage)
+        offset, storage_nbytes = value.storage_offset_in_file, value.storage_nbytes
         record = records_at.get(offset)
         if record is None:
             raise CheckpointError(f"{image.path}: the tensor '{name}' points at offset {offset}, where no record starts")
-        item = value.element_size()
-        needed = view_end(value)
-        if storage.nbytes() != record.size or needed > storage.nbytes() or value.storage_offset() < 0:
+        item = value.element_size
+        needed = value.view_end()
+        if storage_nbytes != record.size or needed > storage_nbytes or value.storage_offset < 0:
             # torch.load checks the first too; the second guards the pickle's view of the storage
-            raise CheckpointError(f"{image.path}: the tensor '{name}' needs {max(needed, storage.nbytes())} bytes "
+            raise CheckpointError(f"{image.path}: the tensor '{name}' needs {max(needed, storage_nbytes)} bytes "
                                   f"of record '{record.name}', which holds {record.size}; the file is corrupt")
         if (value.is_contiguous() and dst.is_contiguous() and dst.device.type in ("cpu", "cuda") and not plan.swap
-                and not _torch_api.tensor_metadata(value)):  # bytes read through neg/conj bits: staged
-            start = offset + value.storage_offset() * item
-            plan.direct.append((start, value.numel() * item, dst))
+                and not value.metadata):  # bytes read through neg/conj bits: staged
+            start = offset + value.storage_offset * item
+            plan.direct.append((start, numel * item, dst))
         else:
-            plan.staged.append((offset, storage.nbytes(), value, dst))
+            plan.staged.append((offset, storage_nbytes, value, dst))
     if strict and (plan.missing or plan.unexpected):
         if plan.unexpected:
             errors.insert(0, "Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in plan.unexpected) + ".")

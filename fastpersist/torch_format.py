@@ -1206,16 +1206,11 @@ class TorchArchiveReader:
             return _empty_storage()
         return _slice_storage(self._storage, offset, nbytes)
 
-    def layout_storage_for_key(self, key: str, nbytes: int, alignment: int):
-        """A meta storage for record data/<key> that records where its data
-        starts, as torch's meta-device load does; the place is guessed as in
-        storage_for_key while the local headers are still being fetched."""
-        import torch
-
-        offset = self._guess_data_offset("data/" + key, nbytes, alignment)
-        storage = torch.UntypedStorage(nbytes, device="meta")
-        storage._checkpoint_offset = offset
-        return storage
+    def layout_offset_for_key(self, key: str, nbytes: int, alignment: int) -> int:
+        """Where the data of record data/<key> starts, for a layout that
+        reads none of it; guessed as in storage_for_key while the local
+        headers are still being fetched."""
+        return self._guess_data_offset("data/" + key, nbytes, alignment)
 
     def _guess_data_offset(self, name: str, nbytes: int, alignment: int) -> int:
         r = self.index.entry(name)

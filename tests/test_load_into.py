@@ -229,3 +229,78 @@ def test_the_read_begins_before_the_layout_and_a_wrong_guess_writes_nothing(fold
     del target["w3"]
     fastpersist.load_into(target, folder / "torch.pt", strict=False, engine=engine, **SMALL)
     assert all(torch.equal(target[k], state[k]) for k in target)
+
+
+def _rich_state():
+    base = torch.randn(6, 8)
+    complex_base = torch.randn(5, dtype=torch.complex64)
+    return {
+        "view": base[2:, 1:5], "transposed": base.t(), "row": base[3], "whole": base,
+        "zero_dim": torch.tensor(1.5), "empty": torch.zeros(0, 4), "ints": torch.arange(7),
+        "conj": complex_base.conj(), "neg": torch.randn(4).neg().view(2, 2),
+        "param": torch.nn.Parameter(torch.randn(3)), "nested": [torch.ones(2), {"x": torch.arange(3.0)}, 5],
+        "meta": {"step": 10, "name": "run"},
+    }
+
+
+def test_the_plain_layout_plans_as_torchs_layout_does(folder, monkeypatch):
+    # load_into reads a plain state dict's layout without building meta tensors; torch's own
+    # layout (taken for anything else) must fill the same targets with the same bytes
+    import importlib
+
+    from fastpersist import _torch_api
+
+    load_module = importlib.import_module("fastpersist.load")
+    state = _rich_state()
+    fastpersist.save(state, folder / "r.pt")
+    expected = original_load()(folder / "r.pt")
+
+    def target():
+        t = {k: torch.zeros_like(v) for k, v in expected.items() if isinstance(v, torch.Tensor)}
+        t["transposed"] = torch.zeros(6, 8).t()  # a non-contiguous destination
+        t["nested"], t["meta"] = [torch.zeros(2), {"x": torch.zeros(3)}, 0], {"step": 0, "name": ""}
+        return t
+
+    def filled(t):
+        return {k: (v.resolve_conj().resolve_neg().clone() if isinstance(v, torch.Tensor) else v) for k, v in t.items()}
+
+    plain_layouts = []
+    real = _torch_api.unpickle_plain_state
+
+    def counting(*args, **kwargs):
+        plain_layouts.append(kwargs.get("layout"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_torch_api, "unpickle_plain_state", counting)
+    ours = target()
+    fastpersist.load_into(ours, folder / "r.pt")
+    assert plain_layouts == [True]
+
+    def refuse(*args, **kwargs):
+        raise _torch_api.NotPlainState("this test takes torch's layout")
+
+    monkeypatch.setattr(_torch_api, "unpickle_plain_state", refuse)
+    theirs = target()
+    fastpersist.load_into(theirs, folder / "r.pt")
+    assert load_module._torch_api.unpickle_plain_state is refuse
+    for key, value in filled(theirs).items():
+        other = filled(ours)[key]
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(other, value) and torch.equal(value, expected[key].resolve_conj().resolve_neg()), key
+        elif key != "nested":
+            assert other == value == expected[key], key
+    for filled_in in (ours, theirs):
+        first, inner, last = filled_in["nested"]
+        assert torch.equal(first, torch.ones(2)) and torch.equal(inner["x"], torch.arange(3.0)) and last == 5
+
+
+def test_a_storage_in_the_checkpoint_is_refused_not_stored(folder):
+    # a layout's storage holds no data: storing it in the target would lose the checkpoint's bytes
+    original_save()({"w": torch.ones(3), "raw": torch.arange(4.0).untyped_storage()}, folder / "s.pt")
+    target = {"w": torch.zeros(3), "raw": None}
+    with pytest.raises(RuntimeError, match=r'"raw" is a storage; load_into restores tensors'):
+        fastpersist.load_into(target, folder / "s.pt")
+    assert torch.equal(target["w"], torch.zeros(3)) and target["raw"] is None
+    target = {"w": torch.zeros(3), "raw": torch.zeros(4)}
+    with pytest.raises(RuntimeError, match=r'"raw" is a tensor in the target but a \w*Storage in the checkpoint'):
+        fastpersist.load_into(target, folder / "s.pt")
