@@ -355,7 +355,8 @@ def test_what_the_plain_state_path_hands_to_torch(folder, monkeypatch):
     # each load below is torch's to make, and gives torch's result
     import zipfile
 
-    state = {"w": torch.arange(12.).reshape(3, 4), "b": torch.ones(3, dtype=torch.float64)}
+    # records large beside their headers: load_into reads the data ahead (small ones: the whole file, once)
+    state = {"w": torch.arange(3 * 65536.).reshape(3, 65536), "b": torch.ones(65536, dtype=torch.float64)}
     original_save()(state, folder / "s.pt")
     with zipfile.ZipFile(folder / "s.pt") as src, zipfile.ZipFile(folder / "foreign.pt", "w") as dst:
         for info in src.infolist():  # Python's zipfile: no padding, the data elsewhere than torch puts it
@@ -379,7 +380,7 @@ def test_what_the_plain_state_path_hands_to_torch(folder, monkeypatch):
 
     _engine.release(_engine.acquire(current_options(), os.path.getsize(folder / "s.pt")))
     for name, built in (("s.pt", 2), ("foreign.pt", 4)):
-        target = {"w": torch.zeros(3, 4), "b": torch.zeros(3, dtype=torch.float64)}
+        target = {"w": torch.zeros(3, 65536), "b": torch.zeros(65536, dtype=torch.float64)}
         fastpersist.load_into(target, folder / name)
         assert torch.equal(target["w"], state["w"]) and torch.equal(target["b"], state["b"])
         assert spy.results == built

@@ -304,3 +304,58 @@ def test_a_storage_in_the_checkpoint_is_refused_not_stored(folder):
     target = {"w": torch.zeros(3), "raw": torch.zeros(4)}
     with pytest.raises(RuntimeError, match=r'"raw" is a tensor in the target but a \w*Storage in the checkpoint'):
         fastpersist.load_into(target, folder / "s.pt")
+
+
+def test_small_records_are_read_once_whole_and_checked(folder, engine, monkeypatch):
+    # an optimizer's state: records small beside their local headers, whose fetch reads most of the file;
+    # the whole file is read once into memory and the tensors copied from there, guesses checked as ever
+    import importlib
+    import struct
+    import zipfile
+
+    from fastpersist import device_io
+
+    load_module = importlib.import_module("fastpersist.load")
+    opt_model = model()
+    optimizer = torch.optim.Adam(opt_model.parameters())
+    opt_model(torch.randn(4, 16)).sum().backward()
+    optimizer.step()
+    state = optimizer.state_dict()
+    original_save()(state, folder / "opt.pt")
+    with zipfile.ZipFile(folder / "opt.pt") as src, zipfile.ZipFile(folder / "foreign.pt", "w") as dst:
+        for info in src.infolist():  # no padding: every guessed data place is wrong
+            dst.writestr(info.filename, src.read(info))
+    events = []
+    real_start = load_module._CheckpointImage.start_reading
+
+    def start_reading(self):
+        events.append("whole file")
+        real_start(self)
+
+    def pull_read(self, *args):
+        raise AssertionError("the engine read ahead a file whose small records were read whole")
+
+    monkeypatch.setattr(load_module._CheckpointImage, "start_reading", start_reading)
+    monkeypatch.setattr(device_io.PullRead, "__init__", pull_read)
+    fastpersist.release_load_memory()
+    for name in ("opt.pt", "foreign.pt"):
+        for verify in (False, True):
+            events.clear()
+            target = optimizer.state_dict()
+            for per_param in target["state"].values():
+                for v in per_param.values():
+                    v.zero_()
+            fastpersist.load_into(target, folder / name, verify=verify, engine=engine)
+            assert events == ["whole file"], name
+            for i, per_param in state["state"].items():
+                for k, v in per_param.items():
+                    assert torch.equal(target["state"][i][k], v), (name, i, k)
+    data = bytearray((folder / "opt.pt").read_bytes())
+    with zipfile.ZipFile(folder / "opt.pt") as src:
+        info = src.getinfo("opt/data/3")
+    name_len, extra_len = struct.unpack_from("<HH", data, info.header_offset + 26)  # the local header's own
+    data[info.header_offset + 30 + name_len + extra_len] ^= 0x01  # a data byte of record 3
+    (folder / "flipped.pt").write_bytes(bytes(data))
+    target = optimizer.state_dict()
+    with pytest.raises(fastpersist.CheckpointError, match="data/3"):
+        fastpersist.load_into(target, folder / "flipped.pt", verify=True, engine=engine)
