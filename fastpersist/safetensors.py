@@ -501,7 +501,7 @@ class safe_open:  # noqa: N801 - safetensors' name
     def __init__(self, filename, framework: str = "pt", device="cpu", backend: Optional[str] = None):
         self.path = os.fspath(filename)
         self.device = _device_of(device)
-        self._window = None  # (start, end, buffer): the span of the file read last
+        self._windows: list = []  # [start, end, buffer, starts, ends] of the spans read last, newest last
         self._lock = threading.Lock()
         self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         try:
@@ -559,7 +559,7 @@ class safe_open:  # noqa: N801 - safetensors' name
         """This file, open again (a slice indexed after its file was closed,
         as safetensors allows)."""
         again = safe_open.__new__(safe_open, self.path)
-        again.path, again.device, again._header, again._window = self.path, self.device, self._header, None
+        again.path, again.device, again._header, again._windows = self.path, self.device, self._header, []
         again._lock = threading.Lock()
         again._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         again._size = self._size
@@ -600,20 +600,27 @@ class safe_open:  # noqa: N801 - safetensors' name
 
     def _from_window(self, offset: int, nbytes: int, opts):
         """(The file's bytes [offset, offset + nbytes) as a uint8 tensor with a
-        storage of its own over the window of the file read last, whether any
-        of those bytes were handed out as a view before). The window is read
-        anew (WINDOW bytes from offset, or the tensor, whichever is larger; not
-        past the file) where the bytes are not in it."""
+        storage of its own over a window of the file read before, whether any
+        of those bytes were handed out as a view before). Where no window kept
+        holds them, one is read (WINDOW bytes from offset, or the tensor,
+        whichever is larger; not past the file) and kept, with the last
+        WINDOWS_KEPT - 1 used last: names asked for in order walk a file whose
+        tensors are grouped by dtype (safetensors' order) group by group,
+        taking turns, and each group's window serves its next tensors."""
         with self._lock:  # transformers materializes a shard's tensors from several threads
-            window = self._window
-            if window is None or not (window[0] <= offset and offset + nbytes <= window[1]):
+            window = next((w for w in reversed(self._windows) if w[0] <= offset and offset + nbytes <= w[1]), None)
+            if window is not None and window is not self._windows[-1]:
+                self._windows.remove(window)  # the most recently used last: the least recently used goes first
+                self._windows.append(window)
+            if window is None:
                 if self._size <= WHOLE_FILE:  # every tensor of it, in whatever order: one read
                     start, end = self._header.data_start, self._size
                 else:
                     start, end = offset, min(self._size, offset + max(nbytes, WINDOW))
-                window = self._window = (start, end, _read_span(self._fd, self.path, start, end - start, opts))
-                self._handed = ([], [])  # starts and ends of the views handed out, sorted, disjoint
-            starts, ends = self._handed
+                # starts and ends of the views handed out from it, sorted, disjoint
+                window = [start, end, _read_span(self._fd, self.path, start, end - start, opts), [], []]
+                self._windows = (self._windows + [window])[-WINDOWS_KEPT:]
+            starts, ends = window[3], window[4]
             i = bisect.bisect_right(starts, offset)
             shared = (i > 0 and ends[i - 1] > offset) or (i < len(starts) and starts[i] < offset + nbytes)
             if not shared:
@@ -623,6 +630,7 @@ class safe_open:  # noqa: N801 - safetensors' name
 
 
 WINDOW = 64 << 20  # what safe_open reads at once from a large file: the tensors that follow share one read
+WINDOWS_KEPT = 4  # windows a safe_open keeps (their tensors keep them alive anyway while they live)
 WHOLE_FILE = 4 << 30  # a file up to this size is read whole at the first tensor asked for
 _SMALL_READ = 1 << 20  # below this, one pread through the page cache costs less than an engine's pass
 

@@ -187,6 +187,29 @@ def test_a_slice_of_rows_reads_from_those_rows_on_and_at_most_a_window(tmp_path,
         assert spans == [(f._header.data_start, path.stat().st_size - f._header.data_start)]
 
 
+def test_names_in_order_over_dtype_groups_read_each_byte_once(tmp_path, monkeypatch):
+    """safetensors orders a file by dtype, then name: asking for names in
+    order (as transformers does) alternates between the groups. Each group
+    keeps its window: every byte is read once, not a window per tensor."""
+    tensors = {}
+    for i in range(40):
+        tensors[f"layer.{i:02d}.norm"] = torch.randn(256)  # float32: the first group in the file
+        tensors[f"layer.{i:02d}.weight"] = torch.randn(256, 64).to(torch.bfloat16)
+    path = tmp_path / "mixed.safetensors"
+    fst.save_file(tensors, path)
+    monkeypatch.setattr(fst, "WINDOW", 64 << 10)
+    monkeypatch.setattr(fst, "WHOLE_FILE", 1000)  # this file as a large one
+    spans = []
+    real = fst._read_span
+    monkeypatch.setattr(fst, "_read_span", lambda fd, p, offset, n, o: (spans.append((offset, n)), real(fd, p, offset, n, o))[1])
+    with fst.safe_open(path) as f:
+        for name in f.keys():
+            assert torch.equal(f.get_tensor(name), tensors[name]), name
+        data = path.stat().st_size - f._header.data_start
+    assert sum(n for _, n in spans) <= data + (64 << 10), spans
+    assert len(spans) <= data // (64 << 10) + 2, spans
+
+
 # ---------------------------------------------------------------------------
 # refusals: the same as safetensors', nothing written
 
