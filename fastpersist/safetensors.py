@@ -502,6 +502,8 @@ class safe_open:  # noqa: N801 - safetensors' name
         self.path = os.fspath(filename)
         self.device = _device_of(device)
         self._windows: list = []  # [start, end, buffer, starts, ends] of the spans read last, newest last
+        self._ahead: Optional[_WindowAhead] = None  # the window after the last one read, being read
+        self._starts: Optional[list] = None  # where each tensor's bytes start in the file, in order
         self._lock = threading.Lock()
         self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         try:
@@ -518,6 +520,9 @@ class safe_open:  # noqa: N801 - safetensors' name
         self.close()
 
     def close(self) -> None:
+        ahead, self._ahead = getattr(self, "_ahead", None), None
+        if ahead is not None:
+            ahead.wait()  # it reads from the descriptor closed next
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -560,6 +565,7 @@ class safe_open:  # noqa: N801 - safetensors' name
         as safetensors allows)."""
         again = safe_open.__new__(safe_open, self.path)
         again.path, again.device, again._header, again._windows = self.path, self.device, self._header, []
+        again._ahead, again._starts = None, None
         again._lock = threading.Lock()
         again._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         again._size = self._size
@@ -613,13 +619,7 @@ class safe_open:  # noqa: N801 - safetensors' name
                 self._windows.remove(window)  # the most recently used last: the least recently used goes first
                 self._windows.append(window)
             if window is None:
-                if self._size <= WHOLE_FILE:  # every tensor of it, in whatever order: one read
-                    start, end = self._header.data_start, self._size
-                else:
-                    start, end = offset, min(self._size, offset + max(nbytes, WINDOW))
-                # starts and ends of the views handed out from it, sorted, disjoint
-                window = [start, end, _read_span(self._fd, self.path, start, end - start, opts), [], []]
-                self._windows = (self._windows + [window])[-WINDOWS_KEPT:]
+                window = self._new_window(offset, nbytes, opts)
             starts, ends = window[3], window[4]
             i = bisect.bisect_right(starts, offset)
             shared = (i > 0 and ends[i - 1] > offset) or (i < len(starts) and starts[i] < offset + nbytes)
@@ -629,8 +629,74 @@ class safe_open:  # noqa: N801 - safetensors' name
         return torch.frombuffer(window[2], dtype=torch.uint8, count=nbytes, offset=offset - window[0]), shared
 
 
+    def _new_window(self, offset: int, nbytes: int, opts) -> list:
+        """A window holding [offset, offset + nbytes), kept (see _from_window).
+        In a large file, the window after it is then read on a thread while
+        its tensors are handed out: it starts at the tensor the window ends
+        in, so that names asked for in order find their next window read."""
+        if self._size <= WHOLE_FILE:  # every tensor of it, in whatever order: one read
+            start, end = self._header.data_start, self._size
+            window = [start, end, _read_span(self._fd, self.path, start, end - start, opts), [], []]
+            self._windows.append(window)
+            return window
+        window = None
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            buffer = ahead.wait()  # a failed read ahead is read again below, and raises there
+            if buffer is not None:
+                # [start, end, buffer, starts and ends of the views handed out from it (sorted, disjoint)]
+                read = [ahead.start, ahead.end, buffer, [], []]
+                if read[0] <= offset and offset + nbytes <= read[1]:
+                    window = read
+                else:  # kept: names asked for in order come back to it at the next turn of dtype group
+                    self._windows = (self._windows + [read])[-WINDOWS_KEPT:]
+        if window is None:
+            start, end = offset, min(self._size, offset + max(nbytes, WINDOW))
+            window = [start, end, _read_span(self._fd, self.path, start, end - start, opts), [], []]
+        self._windows = (self._windows + [window])[-WINDOWS_KEPT:]
+        following = self._tensor_at(window[1]) if READ_AHEAD else None
+        if following is not None:
+            if following <= window[0]:  # the window began inside that tensor (a slice of rows): its rest
+                following = window[1]
+            self._ahead = _WindowAhead(self._fd, self.path, following, min(self._size, following + WINDOW), opts)
+        return window
+
+    def _tensor_at(self, position: int) -> Optional[int]:
+        """Where the tensor holding the file's byte at position starts (the
+        data section has no holes); None past the last one."""
+        if self._starts is None:
+            base = self._header.data_start
+            self._starts = [base + e.begin for e in self._header.entries.values() if e.end > e.begin]
+        i = bisect.bisect_right(self._starts, position) - 1
+        if position >= self._size or i < 0:
+            return None
+        return self._starts[i]
+
+
+class _WindowAhead:
+    """A span of the file read into new memory on a thread (_read_span)."""
+
+    def __init__(self, fd: int, path: str, start: int, end: int, opts):
+        self.start, self.end, self.buffer = start, end, None
+        self._thread = threading.Thread(target=self._read, args=(fd, path, opts), name="fastpersist-safetensors-ahead",
+                                        daemon=True)
+        self._thread.start()
+
+    def _read(self, fd: int, path: str, opts) -> None:
+        try:
+            self.buffer = _read_span(fd, path, self.start, self.end - self.start, opts)
+        except BaseException:  # noqa: BLE001 - the caller reads the span again itself, and meets the error there
+            self.buffer = None
+
+    def wait(self):
+        """The span's bytes (a buffer), or None where the read failed."""
+        self._thread.join()
+        return self.buffer
+
+
 WINDOW = 64 << 20  # what safe_open reads at once from a large file: the tensors that follow share one read
 WINDOWS_KEPT = 4  # windows a safe_open keeps (their tensors keep them alive anyway while they live)
+READ_AHEAD = True  # a large file's next window read on a thread while the last one's tensors are handed out
 WHOLE_FILE = 4 << 30  # a file up to this size is read whole at the first tensor asked for
 _SMALL_READ = 1 << 20  # below this, one pread through the page cache costs less than an engine's pass
 

@@ -169,6 +169,7 @@ def test_a_slice_of_rows_reads_from_those_rows_on_and_at_most_a_window(tmp_path,
     fst.save_file(tensors, path)
     monkeypatch.setattr(fst, "WINDOW", 200 * 256 * 4)
     monkeypatch.setattr(fst, "WHOLE_FILE", 1000)  # this 1 MB file as a large one
+    monkeypatch.setattr(fst, "READ_AHEAD", False)  # the reads asked for alone
     spans = []
     real = fst._read_span
     monkeypatch.setattr(fst, "_read_span", lambda fd, p, offset, n, o: (spans.append((offset, n)), real(fd, p, offset, n, o))[1])
@@ -208,6 +209,35 @@ def test_names_in_order_over_dtype_groups_read_each_byte_once(tmp_path, monkeypa
         data = path.stat().st_size - f._header.data_start
     assert sum(n for _, n in spans) <= data + (64 << 10), spans
     assert len(spans) <= data // (64 << 10) + 2, spans
+
+
+def test_a_large_files_next_window_is_read_ahead_on_a_thread(tmp_path, monkeypatch):
+    """Names asked for in order: after the first window, each window is read
+    on a thread while the one before hands out its tensors, beginning at the
+    tensor the one before ends in; closing waits for a read still going."""
+    import threading
+
+    tensors = {f"t{i:02d}": torch.randn(5000 + 37 * i) for i in range(30)}  # ~20 KB each, not window-aligned
+    path = tmp_path / "seq.safetensors"
+    fst.save_file(tensors, path)
+    monkeypatch.setattr(fst, "WINDOW", 64 << 10)
+    monkeypatch.setattr(fst, "WHOLE_FILE", 1000)
+    reads = []
+    real = fst._read_span
+    monkeypatch.setattr(fst, "_read_span", lambda fd, p, offset, n, o: (
+        reads.append((threading.current_thread().name, offset, n)), real(fd, p, offset, n, o))[1])
+    with fst.safe_open(path) as f:
+        for name in f.keys():
+            assert torch.equal(f.get_tensor(name), tensors[name]), name
+        starts = {f._header.data_start + e.begin for e in f._header.entries.values()}
+        data = path.stat().st_size - f._header.data_start
+    assert reads[0][0] == threading.current_thread().name and len(reads) > 3
+    assert all(who == "fastpersist-safetensors-ahead" for who, _, _ in reads[1:]), reads
+    assert all(offset in starts for _, offset, _ in reads), "a window begins at a tensor"
+    assert sum(n for _, _, n in reads) <= data + 25_000 * len(reads), "a window re-reads at most one tensor"
+    with fst.safe_open(path) as f:  # closed with a read ahead going: it is waited for, nothing breaks
+        assert torch.equal(f.get_tensor("t00"), tensors["t00"])
+    assert not any(t.name == "fastpersist-safetensors-ahead" for t in threading.enumerate())
 
 
 # ---------------------------------------------------------------------------
