@@ -455,16 +455,26 @@ _QUANTIZED_DTYPES = frozenset(getattr(torch, name) for name in ("qint8", "quint8
                               if hasattr(torch, name))
 
 
+_INT64_LIMIT = 1 << 63
+
+
 def _is_dims(values) -> bool:
-    return type(values) is tuple and all(type(v) is int and v >= 0 for v in values)
+    return type(values) is tuple and all(type(v) is int and 0 <= v < _INT64_LIMIT for v in values)
+
+
+def _may_require_grad(dtype, requires_grad: bool) -> bool:
+    return not requires_grad or dtype.is_floating_point or dtype.is_complex  # torch refuses the others
 
 
 def _stored_tensor(storage, storage_offset, size, stride, requires_grad, backward_hooks, metadata=None):
     """_rebuild_tensor_v2's arguments as a StoredTensor, checked as set_ and
-    torch's rebuild would check them (anything else: torch's layout decides)."""
-    if type(storage) is not StoredStorage or type(storage_offset) is not int or storage_offset < 0 \
-            or not _is_dims(size) or not _is_dims(stride) or len(size) != len(stride) \
-            or type(requires_grad) is not bool or not (metadata is None or type(metadata) is dict):
+    torch's rebuild would check them; anything else, or anything torch would
+    refuse (an integer tensor requiring grad, a value past int64), raises
+    NotPlainState: torch's own layout decides, and words the error."""
+    if type(storage) is not StoredStorage or type(storage_offset) is not int \
+            or not 0 <= storage_offset < _INT64_LIMIT or not _is_dims(size) or not _is_dims(stride) \
+            or len(size) != len(stride) or type(requires_grad) is not bool \
+            or not _may_require_grad(storage.dtype, requires_grad) or not (metadata is None or type(metadata) is dict):
         raise NotPlainState("tensor arguments")
     if metadata and (set(metadata) - {"conj", "neg"} or any(type(v) is not bool for v in metadata.values())):
         raise NotPlainState("tensor metadata")
@@ -475,9 +485,11 @@ def _stored_tensor(storage, storage_offset, size, stride, requires_grad, backwar
     return stored
 
 
-def _stored_parameter(data, requires_grad, backward_hooks, state=None):
-    """_rebuild_parameter for the layout: load_into fills the target's own Parameter."""
-    if type(data) is not StoredTensor or state is not None:
+def _stored_parameter(data, requires_grad, backward_hooks):
+    """_rebuild_parameter (its three arguments) for the layout: load_into fills
+    the target's own Parameter."""
+    if type(data) is not StoredTensor or type(requires_grad) is not bool \
+            or not _may_require_grad(data.dtype, requires_grad):
         raise NotPlainState("parameter arguments")
     return data
 

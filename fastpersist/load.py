@@ -898,13 +898,22 @@ def _fill(image: _CheckpointImage, target, is_module: bool, strict: bool, verify
     and the layout's guesses of where each record's data starts are checked
     only once the plan is made. Returns None, with nothing written, where a
     guess was wrong."""
+    import torch
+
+    if is_module:  # a module's keys are already dotted paths: match them as single keys
+        target_flat = {(k,): v for k, v in target.state_dict(keep_vars=True).items()}
+    else:
+        target_flat = _flatten(target, "target")
     with contextlib.ExitStack() as stack:
         ahead = None
-        if read_early and image.view is None and image.size < SMALL_LOAD_BYTES and image.headers_span_most_data():
+        if read_early and image.view is None and image.size < SMALL_LOAD_BYTES and not STREAM_LOADS \
+                and image.headers_span_most_data() \
+                and all(v.device.type == "cpu" for v in target_flat.values() if isinstance(v, torch.Tensor)):
             # Small records: fetching their local headers reads most of the file through the page cache,
             # and the engine's read of the data would read it again (Adam's state of 1,452 tensors,
             # cold: 74 ms against 29 for fastpersist.load). The whole file is read once, into memory
-            # (a temporary: this small), and the tensors are copied from there.
+            # (a temporary: this small), and the tensors are copied from there (CPU ones: others go
+            # through the engine's buffers, a read of their own).
             image.start_reading()
             image.finish_reading(resolve=False)
         elif read_early:
@@ -913,10 +922,6 @@ def _fill(image: _CheckpointImage, target, is_module: bool, strict: bool, verify
             stack.callback(ahead.close)
         reader = _NativeOrderReader(image.index, image.read_at, source=image.path)
         stored = _layout(image, reader, weights_only, ahead)
-        if is_module:  # a module's keys are already dotted paths: match them as single keys
-            target_flat = {(k,): v for k, v in target.state_dict(keep_vars=True).items()}
-        else:
-            target_flat = _flatten(target, "target")
         # a tree-shaped pickle holds fewer leaves than bytes: more keys than
         # that and the target's come from shared containers nested in each other
         try:

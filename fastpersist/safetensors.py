@@ -504,6 +504,7 @@ class safe_open:  # noqa: N801 - safetensors' name
         self._windows: list = []  # [start, end, buffer, starts, ends] of the spans read last, newest last
         self._ahead: Optional[_WindowAhead] = None  # the window after the last one read, being read
         self._starts: Optional[list] = None  # where each tensor's bytes start in the file, in order
+        self._read_ahead = READ_AHEAD
         self._lock = threading.Lock()
         self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         try:
@@ -511,6 +512,7 @@ class safe_open:  # noqa: N801 - safetensors' name
             self._header = Header.read(self._fd, self.path, self._size)
         except BaseException:
             os.close(self._fd)
+            self._fd = -1  # closed: __del__ must not close the number again (another file may have it by then)
             raise
 
     def __enter__(self) -> "safe_open":
@@ -520,12 +522,14 @@ class safe_open:  # noqa: N801 - safetensors' name
         self.close()
 
     def close(self) -> None:
-        ahead, self._ahead = getattr(self, "_ahead", None), None
-        if ahead is not None:
-            ahead.wait()  # it reads from the descriptor closed next
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        with self._lock:  # not while a window is being read or handed out
+            ahead, self._ahead = self._ahead, None
+            if ahead is not None:
+                ahead.wait()  # it reads from the descriptor closed next
+            self._windows, self._starts = [], None  # the tensors handed out keep their own windows alive
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
 
     def __del__(self):
         try:
@@ -566,6 +570,7 @@ class safe_open:  # noqa: N801 - safetensors' name
         again = safe_open.__new__(safe_open, self.path)
         again.path, again.device, again._header, again._windows = self.path, self.device, self._header, []
         again._ahead, again._starts = None, None
+        again._read_ahead = False  # it reads one slice and is closed
         again._lock = threading.Lock()
         again._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         again._size = self._size
@@ -614,6 +619,8 @@ class safe_open:  # noqa: N801 - safetensors' name
         tensors are grouped by dtype (safetensors' order) group by group,
         taking turns, and each group's window serves its next tensors."""
         with self._lock:  # transformers materializes a shard's tensors from several threads
+            if self._fd < 0:  # closed by another thread meanwhile
+                raise SafetensorsFileError(f"{self.path}: File is closed")
             window = next((w for w in reversed(self._windows) if w[0] <= offset and offset + nbytes <= w[1]), None)
             if window is not None and window is not self._windows[-1]:
                 self._windows.remove(window)  # the most recently used last: the least recently used goes first
@@ -640,8 +647,10 @@ class safe_open:  # noqa: N801 - safetensors' name
             self._windows.append(window)
             return window
         window = None
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
+        ahead = self._ahead
+        # taken where it holds the bytes asked for, or is done; else it goes on (this is a jump elsewhere)
+        if ahead is not None and (ahead.start <= offset and offset + nbytes <= ahead.end or ahead.done()):
+            self._ahead = None
             buffer = ahead.wait()  # a failed read ahead is read again below, and raises there
             if buffer is not None:
                 # [start, end, buffer, starts and ends of the views handed out from it (sorted, disjoint)]
@@ -654,23 +663,27 @@ class safe_open:  # noqa: N801 - safetensors' name
             start, end = offset, min(self._size, offset + max(nbytes, WINDOW))
             window = [start, end, _read_span(self._fd, self.path, start, end - start, opts), [], []]
         self._windows = (self._windows + [window])[-WINDOWS_KEPT:]
-        following = self._tensor_at(window[1]) if READ_AHEAD else None
-        if following is not None:
+        found = self._tensor_at(window[1]) if self._read_ahead and READ_AHEAD and self._ahead is None else None
+        if found is not None:
+            following, following_end = found
             if following <= window[0]:  # the window began inside that tensor (a slice of rows): its rest
                 following = window[1]
+            elif following_end - following > WINDOW:
+                return window  # a tensor larger than a window: maybe only a slice of it is wanted
             self._ahead = _WindowAhead(self._fd, self.path, following, min(self._size, following + WINDOW), opts)
         return window
 
-    def _tensor_at(self, position: int) -> Optional[int]:
-        """Where the tensor holding the file's byte at position starts (the
-        data section has no holes); None past the last one."""
+    def _tensor_at(self, position: int) -> Optional[tuple]:
+        """(start, end) in the file of the tensor holding the byte at position
+        (the data section has no holes); None past the last one."""
         if self._starts is None:
             base = self._header.data_start
-            self._starts = [base + e.begin for e in self._header.entries.values() if e.end > e.begin]
+            spans = [(base + e.begin, base + e.end) for e in self._header.entries.values() if e.end > e.begin]
+            self._starts, self._ends = [a for a, _ in spans], [b for _, b in spans]
         i = bisect.bisect_right(self._starts, position) - 1
         if position >= self._size or i < 0:
             return None
-        return self._starts[i]
+        return self._starts[i], self._ends[i]
 
 
 class _WindowAhead:
@@ -687,6 +700,9 @@ class _WindowAhead:
             self.buffer = _read_span(fd, path, self.start, self.end - self.start, opts)
         except BaseException:  # noqa: BLE001 - the caller reads the span again itself, and meets the error there
             self.buffer = None
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
 
     def wait(self):
         """The span's bytes (a buffer), or None where the read failed."""

@@ -335,6 +335,7 @@ def test_small_records_are_read_once_whole_and_checked(folder, engine, monkeypat
     def pull_read(self, *args):
         raise AssertionError("the engine read ahead a file whose small records were read whole")
 
+    real_pull_read = device_io.PullRead.__init__
     monkeypatch.setattr(load_module._CheckpointImage, "start_reading", start_reading)
     monkeypatch.setattr(device_io.PullRead, "__init__", pull_read)
     fastpersist.release_load_memory()
@@ -350,6 +351,14 @@ def test_small_records_are_read_once_whole_and_checked(folder, engine, monkeypat
             for i, per_param in state["state"].items():
                 for k, v in per_param.items():
                     assert torch.equal(target["state"][i][k], v), (name, i, k)
+    # destinations the engine's buffers fill (a GPU's; STREAM_LOADS stands in here): no whole-file read too
+    monkeypatch.setattr(load_module, "STREAM_LOADS", True)
+    monkeypatch.setattr(device_io.PullRead, "__init__", real_pull_read)
+    events.clear()
+    target = optimizer.state_dict()
+    fastpersist.load_into(target, folder / "opt.pt", engine=engine)
+    assert events == [] and torch.equal(target["state"][0]["exp_avg"], state["state"][0]["exp_avg"])
+    monkeypatch.setattr(load_module, "STREAM_LOADS", False)
     data = bytearray((folder / "opt.pt").read_bytes())
     with zipfile.ZipFile(folder / "opt.pt") as src:
         info = src.getinfo("opt/data/3")

@@ -509,3 +509,38 @@ def test_load_into_reads_a_key_as_torch_does_at_its_first_reference(folder):
     assert same_values(target, expected)
     with pytest.raises(RuntimeError, match="dtype mismatch for c"):  # not the float bytes read as int32
         fastpersist.load_into({"c": torch.zeros(4, dtype=torch.int32)}, folder / "case.pt", strict=False)
+
+
+def _tensor_args(offset: bytes, requires_grad: bytes, storage: str = "FloatStorage", numel: int = 4) -> bytes:
+    storage_id = pickle.MARK + text("storage") + glob("torch", storage) + text("0") + text("cpu") + small(numel) \
+        + pickle.TUPLE + pickle.BINPERSID
+    size = ints((numel,)) if numel else ints((0,))
+    return REBUILD + pickle.MARK + storage_id + offset + size + ints((1,)) + requires_grad \
+        + NEW_ORDERED_DICT + pickle.TUPLE + pickle.REDUCE
+
+
+@pytest.mark.parametrize("case", ["int_requires_grad", "int_parameter_requires_grad", "offset_past_int64"])
+def test_load_into_refuses_what_torch_refuses_in_a_tensors_arguments(folder, case):
+    """load_into's layout reads a tensor's arguments without building it; what
+    torch's rebuild refuses (an integer tensor requiring grad, an offset past
+    int64) must be refused there too, the target untouched."""
+    if case == "int_requires_grad":
+        value, target = _tensor_args(small(0), pickle.NEWTRUE, "LongStorage", 2), torch.zeros(2, dtype=torch.int64)
+        records = {"0": struct.pack("<2q", 5, 6)}
+    elif case == "int_parameter_requires_grad":
+        value = glob("torch._utils", "_rebuild_parameter") + pickle.MARK \
+            + _tensor_args(small(0), pickle.NEWFALSE, "LongStorage", 2) + pickle.NEWTRUE + NEW_ORDERED_DICT \
+            + pickle.TUPLE + pickle.REDUCE
+        target, records = torch.zeros(2, dtype=torch.int64), {"0": struct.pack("<2q", 5, 6)}
+    else:
+        value, target = _tensor_args(pickle.dumps(2**64, 2)[2:-1], pickle.NEWFALSE, numel=0), torch.zeros(0)
+        records = {"0": b""}
+    write_archive(folder / "c.pt", program(state(w=value)), records)
+    with pytest.raises(Exception) as theirs:
+        original_load()(folder / "c.pt", weights_only=True)
+    holder = {"w": target}
+    with pytest.raises(Exception) as ours:
+        fastpersist.load_into(holder, folder / "c.pt")
+    assert type(ours.value) is type(theirs.value) or isinstance(ours.value, fastpersist.CheckpointError), \
+        (ours.value, theirs.value)
+    assert not holder["w"].any()

@@ -240,6 +240,31 @@ def test_a_large_files_next_window_is_read_ahead_on_a_thread(tmp_path, monkeypat
     assert not any(t.name == "fastpersist-safetensors-ahead" for t in threading.enumerate())
 
 
+def test_no_read_ahead_of_a_tensor_larger_than_a_window_and_nothing_kept_after_close(tmp_path, monkeypatch):
+    """A tensor larger than a window is not read ahead (maybe a slice of it
+    is all that is wanted: read, it would be read again); a closed file
+    keeps no window, and a slice read after closing reads its bytes only."""
+    tensors = {"a": torch.randn(32 << 10), "b": torch.randn(256 << 10), "c": torch.randn(32 << 10),
+               "d": torch.randn(256 << 10)}  # 128 KiB, 1 MiB, 128 KiB, 1 MiB
+    path = tmp_path / "mixed-sizes.safetensors"
+    fst.save_file(tensors, path)
+    monkeypatch.setattr(fst, "WINDOW", 256 << 10)
+    monkeypatch.setattr(fst, "WHOLE_FILE", 1000)
+    reads = []
+    real = fst._read_span
+    monkeypatch.setattr(fst, "_read_span", lambda fd, p, offset, n, o: (reads.append(n), real(fd, p, offset, n, o))[1])
+    with fst.safe_open(path) as f:
+        for name in f.offset_keys():
+            assert torch.equal(f.get_tensor(name), tensors[name]), name
+        data = path.stat().st_size - f._header.data_start
+        late = f.get_slice("b")
+    assert sum(reads) <= data + (256 << 10), reads  # at most the window read past "a" into "b"
+    assert f._windows == [] and f._ahead is None
+    reads.clear()
+    assert torch.equal(late[:10], tensors["b"][:10])
+    assert reads == [256 << 10], reads  # one window from the slice on, no read ahead
+
+
 # ---------------------------------------------------------------------------
 # refusals: the same as safetensors', nothing written
 
