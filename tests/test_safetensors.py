@@ -160,6 +160,24 @@ def test_tensors_handed_out_twice_share_no_memory(tmp_path):
         assert first.untyped_storage().data_ptr() != again.untyped_storage().data_ptr()
 
 
+def windows_of(monkeypatch, window: int) -> list:
+    """safe_open reading every file as a large one (window by window, WINDOW
+    bytes each); returns the list each read appends (thread name, offset, bytes) to."""
+    import threading
+
+    monkeypatch.setattr(fst, "WINDOW", window)
+    monkeypatch.setattr(fst, "WHOLE_FILE", 1000)
+    reads = []
+    real = fst._read_span
+
+    def recorded(fd, path, offset, nbytes, opts):
+        reads.append((threading.current_thread().name, offset, nbytes))
+        return real(fd, path, offset, nbytes, opts)
+
+    monkeypatch.setattr(fst, "_read_span", recorded)
+    return reads
+
+
 def test_a_slice_of_rows_reads_from_those_rows_on_and_at_most_a_window(tmp_path, monkeypatch):
     """A slice reads from its first row on, at most a window of the file (or
     the slice, if larger): never the whole shard for one slice; the tensors
@@ -167,25 +185,21 @@ def test_a_slice_of_rows_reads_from_those_rows_on_and_at_most_a_window(tmp_path,
     tensors = {"big": torch.randn(1000, 256), "next": torch.randn(64)}
     path = tmp_path / "big.safetensors"
     fst.save_file(tensors, path)
-    monkeypatch.setattr(fst, "WINDOW", 200 * 256 * 4)
-    monkeypatch.setattr(fst, "WHOLE_FILE", 1000)  # this 1 MB file as a large one
+    reads = windows_of(monkeypatch, 200 * 256 * 4)  # this 1 MB file as a large one
     monkeypatch.setattr(fst, "READ_AHEAD", False)  # the reads asked for alone
-    spans = []
-    real = fst._read_span
-    monkeypatch.setattr(fst, "_read_span", lambda fd, p, offset, n, o: (spans.append((offset, n)), real(fd, p, offset, n, o))[1])
     with fst.safe_open(path) as f:
         start = f._header.data_start + f._header.entries["big"].begin
         rows = f.get_slice("big")[10:20]
         more = f.get_slice("big")[20:30]  # within the window: no second read
-        assert spans == [(start + 10 * 1024, 200 * 1024)]
+        assert [(o, n) for _, o, n in reads] == [(start + 10 * 1024, 200 * 1024)]
         assert torch.equal(rows, tensors["big"][10:20]) and torch.equal(more, tensors["big"][20:30])
         assert torch.equal(f.get_tensor("next"), tensors["next"])
-        assert len(spans) == 2
+        assert len(reads) == 2
     monkeypatch.setattr(fst, "WHOLE_FILE", 4 << 30)
-    spans.clear()
+    reads.clear()
     with fst.safe_open(path) as f:  # a small file: read whole at the first tensor, whatever its place
         assert torch.equal(f.get_tensor("next"), tensors["next"]) and torch.equal(f.get_tensor("big"), tensors["big"])
-        assert spans == [(f._header.data_start, path.stat().st_size - f._header.data_start)]
+        assert [(o, n) for _, o, n in reads] == [(f._header.data_start, path.stat().st_size - f._header.data_start)]
 
 
 def test_names_in_order_over_dtype_groups_read_each_byte_once(tmp_path, monkeypatch):
@@ -198,17 +212,13 @@ def test_names_in_order_over_dtype_groups_read_each_byte_once(tmp_path, monkeypa
         tensors[f"layer.{i:02d}.weight"] = torch.randn(256, 64).to(torch.bfloat16)
     path = tmp_path / "mixed.safetensors"
     fst.save_file(tensors, path)
-    monkeypatch.setattr(fst, "WINDOW", 64 << 10)
-    monkeypatch.setattr(fst, "WHOLE_FILE", 1000)  # this file as a large one
-    spans = []
-    real = fst._read_span
-    monkeypatch.setattr(fst, "_read_span", lambda fd, p, offset, n, o: (spans.append((offset, n)), real(fd, p, offset, n, o))[1])
+    reads = windows_of(monkeypatch, 64 << 10)
     with fst.safe_open(path) as f:
         for name in f.keys():
             assert torch.equal(f.get_tensor(name), tensors[name]), name
         data = path.stat().st_size - f._header.data_start
-    assert sum(n for _, n in spans) <= data + (64 << 10), spans
-    assert len(spans) <= data // (64 << 10) + 2, spans
+    assert sum(n for _, _, n in reads) <= data + (64 << 10), reads
+    assert len(reads) <= data // (64 << 10) + 2, reads
 
 
 def test_a_large_files_next_window_is_read_ahead_on_a_thread(tmp_path, monkeypatch):
@@ -220,12 +230,7 @@ def test_a_large_files_next_window_is_read_ahead_on_a_thread(tmp_path, monkeypat
     tensors = {f"t{i:02d}": torch.randn(5000 + 37 * i) for i in range(30)}  # ~20 KB each, not window-aligned
     path = tmp_path / "seq.safetensors"
     fst.save_file(tensors, path)
-    monkeypatch.setattr(fst, "WINDOW", 64 << 10)
-    monkeypatch.setattr(fst, "WHOLE_FILE", 1000)
-    reads = []
-    real = fst._read_span
-    monkeypatch.setattr(fst, "_read_span", lambda fd, p, offset, n, o: (
-        reads.append((threading.current_thread().name, offset, n)), real(fd, p, offset, n, o))[1])
+    reads = windows_of(monkeypatch, 64 << 10)
     with fst.safe_open(path) as f:
         for name in f.keys():
             assert torch.equal(f.get_tensor(name), tensors[name]), name
@@ -248,21 +253,17 @@ def test_no_read_ahead_of_a_tensor_larger_than_a_window_and_nothing_kept_after_c
                "d": torch.randn(256 << 10)}  # 128 KiB, 1 MiB, 128 KiB, 1 MiB
     path = tmp_path / "mixed-sizes.safetensors"
     fst.save_file(tensors, path)
-    monkeypatch.setattr(fst, "WINDOW", 256 << 10)
-    monkeypatch.setattr(fst, "WHOLE_FILE", 1000)
-    reads = []
-    real = fst._read_span
-    monkeypatch.setattr(fst, "_read_span", lambda fd, p, offset, n, o: (reads.append(n), real(fd, p, offset, n, o))[1])
+    reads = windows_of(monkeypatch, 256 << 10)
     with fst.safe_open(path) as f:
         for name in f.offset_keys():
             assert torch.equal(f.get_tensor(name), tensors[name]), name
         data = path.stat().st_size - f._header.data_start
         late = f.get_slice("b")
-    assert sum(reads) <= data + (256 << 10), reads  # at most the window read past "a" into "b"
+    assert sum(n for _, _, n in reads) <= data + (256 << 10), reads  # at most the window read past "a" into "b"
     assert f._windows == [] and f._ahead is None
     reads.clear()
     assert torch.equal(late[:10], tensors["b"][:10])
-    assert reads == [256 << 10], reads  # one window from the slice on, no read ahead
+    assert [n for _, _, n in reads] == [256 << 10], reads  # one window from the slice on, no read ahead
 
 
 # ---------------------------------------------------------------------------
