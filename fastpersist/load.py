@@ -905,23 +905,24 @@ def _fill(image: _CheckpointImage, target, is_module: bool, strict: bool, verify
     else:
         target_flat = _flatten(target, "target")
     with contextlib.ExitStack() as stack:
-        ahead = None
+        ahead, whole_file = None, False
         if read_early and image.view is None and image.size < SMALL_LOAD_BYTES and not STREAM_LOADS \
                 and image.headers_span_most_data() \
                 and all(v.device.type == "cpu" for v in target_flat.values() if isinstance(v, torch.Tensor)):
             # Small records: fetching their local headers reads most of the file through the page cache,
             # and the engine's read of the data would read it again (Adam's state of 1,452 tensors,
             # cold: 74 ms against 29 for fastpersist.load). The whole file is read once, into memory
-            # (a temporary: this small), and the tensors are copied from there (CPU ones: others go
-            # through the engine's buffers, a read of their own).
+            # (a temporary: this small), while the layout runs, and the tensors are copied from there
+            # (CPU ones: others go through the engine's buffers, a read of their own).
+            image.prefetch_pickle()  # read ahead of the whole file's read, which the layout does not wait for
             image.start_reading()
-            image.finish_reading(resolve=False)
+            whole_file = True
         elif read_early:
             ahead = _DataAhead.begin(image)
         if ahead is not None:
             stack.callback(ahead.close)
         reader = _NativeOrderReader(image.index, image.read_at, source=image.path)
-        stored = _layout(image, reader, weights_only, ahead)
+        stored = _layout(image, reader, weights_only, ahead, whole_file)
         # a tree-shaped pickle holds fewer leaves than bytes: more keys than
         # that and the target's come from shared containers nested in each other
         try:
@@ -985,15 +986,22 @@ class _DataAhead:
 
 
 def _layout(image: _CheckpointImage, reader: TorchArchiveReader, weights_only: bool,
-            ahead: Optional[_DataAhead] = None):
-    """The checkpoint's objects with meta tensors: shapes and file places
-    only, no tensor data read. A plain state dict is unpickled while the
-    local headers that say where each record's data starts are still being
-    fetched, with the places guessed (see storage_for_key), and used once
-    the headers confirm every guess; with ``ahead`` (the data's read begun
-    already), the caller checks the guesses after that read. Anything else,
-    once ``ahead`` is closed, waits for the headers."""
-    if ahead is None:
+            ahead: Optional[_DataAhead] = None, whole_file: bool = False):
+    """The checkpoint's objects, tensors as StoredTensors or meta tensors:
+    shapes and file places only, no tensor data read. A plain state dict is
+    unpickled while the local headers that say where each record's data
+    starts are still being fetched, with the places guessed (see
+    storage_for_key), and used once the headers confirm every guess; with
+    ``ahead`` (the data's read begun already), the caller checks the guesses
+    after that read. With ``whole_file``, the image's read of the whole file
+    (start_reading) goes on meanwhile, and the headers are read from it once
+    it is done. Anything else, once ``ahead`` is closed, waits for the headers."""
+
+    def file_read() -> None:
+        if whole_file and image.view is None:
+            image.finish_reading(resolve=False)
+
+    if ahead is None and not whole_file:
         image.prefetch_local_headers()
     if _plain_state_may_apply(reader.records_checked, weights_only, None if weights_only else pickle, {}):
         try:
@@ -1001,8 +1009,10 @@ def _layout(image: _CheckpointImage, reader: TorchArchiveReader, weights_only: b
         except _torch_api.NotPlainState:
             pass
         else:
+            file_read()
             if ahead is not None or reader.predictions_hold():
                 return stored
+    file_read()
     if ahead is not None:
         ahead.close()
     image.index.resolve(image.read_at)  # lenient: a record torch would refuse raises where it is used
