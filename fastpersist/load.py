@@ -37,7 +37,7 @@ from . import _engine, _torch_api, device_io, gc_pause
 from .fileio import cached_fraction, prefaulting, read_extents, read_extents_through_page_cache, reading_engine
 from .options import Options, current_options
 from ._torch_api import StoredStorage, StoredTensor
-from .torch_format import ArchiveIndex, CheckpointError, TorchArchiveReader, _Lazy
+from .torch_format import ArchiveIndex, CheckpointError, TorchArchiveReader
 
 _TRUE = ("1", "y", "yes", "true")
 
@@ -908,7 +908,7 @@ def _fill(image: _CheckpointImage, target, is_module: bool, strict: bool, verify
         ahead, whole_file = None, False
         if read_early and image.view is None and image.size < SMALL_LOAD_BYTES and not STREAM_LOADS \
                 and image.headers_span_most_data() \
-                and all(v.device.type == "cpu" for v in target_flat.values() if isinstance(v, torch.Tensor)):
+                and all(v.is_cpu for v in target_flat.values() if isinstance(v, torch.Tensor)):
             # Small records: fetching their local headers reads most of the file through the page cache,
             # and the engine's read of the data would read it again (Adam's state of 1,452 tensors,
             # cold: 74 ms against 29 for fastpersist.load). The whole file is read once, into memory
@@ -1234,7 +1234,6 @@ def _plan(image: _CheckpointImage, stored: dict, target: dict, strict: bool, is_
         if path not in target:
             continue
         dst = target[path]
-        name = _Lazy(lambda path=path: _key(path))  # for the error messages only
         layout = torch.strided
         if isinstance(value, torch.Tensor):  # a meta tensor of torch's own layout
             layout = value.layout
@@ -1243,32 +1242,32 @@ def _plan(image: _CheckpointImage, stored: dict, target: dict, strict: bool, is_
         if not isinstance(value, (StoredTensor, torch.Tensor)):
             if isinstance(dst, torch.Tensor):
                 stored_type = "TypedStorage" if type(value) is StoredStorage else type(value).__name__
-                errors.append(f'"{name}" is a tensor in the target but a {stored_type} in the checkpoint.')
+                errors.append(f'"{_key(path)}" is a tensor in the target but a {stored_type} in the checkpoint.')
             elif isinstance(value, (StoredStorage, torch.storage.TypedStorage, torch.UntypedStorage)):
                 # the layout's storages hold no data: storing one would lose it
-                errors.append(f'"{name}" is a storage; load_into restores tensors (use fastpersist.load).')
+                errors.append(f'"{_key(path)}" is a storage; load_into restores tensors (use fastpersist.load).')
             elif is_module:
-                errors.append(f'"{name}" holds a {type(value).__name__}, not a tensor; load_into restores tensors '
+                errors.append(f'"{_key(path)}" holds a {type(value).__name__}, not a tensor; load_into restores tensors '
                               "(use load_state_dict for modules with extra state).")
             elif _holds_tensors(value, looked_at):
                 # the layout pass sees its tensors as meta tensors: storing it would lose their data
-                errors.append(f'"{name}" is a {type(value).__name__} holding tensors; load_into restores tensors '
+                errors.append(f'"{_key(path)}" is a {type(value).__name__} holding tensors; load_into restores tensors '
                               "in dicts and lists (use fastpersist.load for other containers).")
             else:
                 plan.values.append((path, value))
             continue
         if not isinstance(dst, torch.Tensor):
-            errors.append(f'"{name}" is a tensor in the checkpoint but a {type(dst).__name__} in the target.')
+            errors.append(f'"{_key(path)}" is a tensor in the checkpoint but a {type(dst).__name__} in the target.')
             continue
         if value.shape != dst.shape:
-            errors.append(f"size mismatch for {name}: copying a param with shape {torch.Size(value.shape)} from "
+            errors.append(f"size mismatch for {_key(path)}: copying a param with shape {torch.Size(value.shape)} from "
                           f"checkpoint, the shape in current model is {dst.shape}.")
             continue
         if value.dtype != dst.dtype:
-            errors.append(f"dtype mismatch for {name}: the checkpoint holds {value.dtype}, the target {dst.dtype}.")
+            errors.append(f"dtype mismatch for {_key(path)}: the checkpoint holds {value.dtype}, the target {dst.dtype}.")
             continue
         if type(value) is not StoredTensor or dst.layout != torch.strided or dst.is_quantized:
-            errors.append(f"{name}: load_into restores dense tensors; this one is {layout}.")
+            errors.append(f"{_key(path)}: load_into restores dense tensors; this one is {layout}.")
             continue
         numel = value.numel()
         if numel == 0:
@@ -1276,14 +1275,14 @@ def _plan(image: _CheckpointImage, stored: dict, target: dict, strict: bool, is_
         offset, storage_nbytes = value.storage_offset_in_file, value.storage_nbytes
         record = records_at.get(offset)
         if record is None:
-            raise CheckpointError(f"{image.path}: the tensor '{name}' points at offset {offset}, where no record starts")
+            raise CheckpointError(f"{image.path}: the tensor '{_key(path)}' points at offset {offset}, where no record starts")
         item = value.element_size
         needed = value.view_end()
         if storage_nbytes != record.size or needed > storage_nbytes or value.storage_offset < 0:
             # torch.load checks the first too; the second guards the pickle's view of the storage
-            raise CheckpointError(f"{image.path}: the tensor '{name}' needs {max(needed, storage_nbytes)} bytes "
+            raise CheckpointError(f"{image.path}: the tensor '{_key(path)}' needs {max(needed, storage_nbytes)} bytes "
                                   f"of record '{record.name}', which holds {record.size}; the file is corrupt")
-        if (value.is_contiguous() and dst.is_contiguous() and dst.device.type in ("cpu", "cuda") and not plan.swap
+        if (value.is_contiguous() and dst.is_contiguous() and (dst.is_cpu or dst.is_cuda) and not plan.swap
                 and not value.metadata):  # bytes read through neg/conj bits: staged
             start = offset + value.storage_offset * item
             plan.direct.append((start, numel * item, dst))
