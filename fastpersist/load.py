@@ -1247,8 +1247,8 @@ def _plan(image: _CheckpointImage, stored: dict, target: dict, strict: bool, is_
                 # the layout's storages hold no data: storing one would lose it
                 errors.append(f'"{_key(path)}" is a storage; load_into restores tensors (use fastpersist.load).')
             elif is_module:
-                errors.append(f'"{_key(path)}" holds a {type(value).__name__}, not a tensor; load_into restores tensors '
-                              "(use load_state_dict for modules with extra state).")
+                errors.append(f'"{_key(path)}" holds a {type(value).__name__}, not a tensor; load_into restores '
+                              "tensors (use load_state_dict for modules with extra state).")
             elif _holds_tensors(value, looked_at):
                 # the layout pass sees its tensors as meta tensors: storing it would lose their data
                 errors.append(f'"{_key(path)}" is a {type(value).__name__} holding tensors; load_into restores tensors '
@@ -1264,7 +1264,8 @@ def _plan(image: _CheckpointImage, stored: dict, target: dict, strict: bool, is_
                           f"checkpoint, the shape in current model is {dst.shape}.")
             continue
         if value.dtype != dst.dtype:
-            errors.append(f"dtype mismatch for {_key(path)}: the checkpoint holds {value.dtype}, the target {dst.dtype}.")
+            errors.append(f"dtype mismatch for {_key(path)}: the checkpoint holds {value.dtype}, "
+                          f"the target {dst.dtype}.")
             continue
         if type(value) is not StoredTensor or dst.layout != torch.strided or dst.is_quantized:
             errors.append(f"{_key(path)}: load_into restores dense tensors; this one is {layout}.")
@@ -1275,7 +1276,8 @@ def _plan(image: _CheckpointImage, stored: dict, target: dict, strict: bool, is_
         offset, storage_nbytes = value.storage_offset_in_file, value.storage_nbytes
         record = records_at.get(offset)
         if record is None:
-            raise CheckpointError(f"{image.path}: the tensor '{_key(path)}' points at offset {offset}, where no record starts")
+            raise CheckpointError(f"{image.path}: the tensor '{_key(path)}' points at offset {offset}, "
+                                  "where no record starts")
         item = value.element_size
         needed = value.view_end()
         if storage_nbytes != record.size or needed > storage_nbytes or value.storage_offset < 0:
