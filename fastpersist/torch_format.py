@@ -166,9 +166,7 @@ class ZipLayout:
         crc = record.crc
         if not record.size:
             return b""
-        if record.zip64:
-            return struct.pack("<IIQQ", 0x08074B50, crc, record.size, record.size)
-        return struct.pack("<IIII", 0x08074B50, crc, record.size, record.size)
+        return (_DESCRIPTOR64 if record.zip64 else _DESCRIPTOR).pack(0x08074B50, crc, record.size, record.size)
 
     def central_directory_size(self) -> int:
         """The length of central_directory(), without building it."""
@@ -390,8 +388,7 @@ def write_plan(plan: CheckpointPlan, sink) -> int:
         storage = src.storage
         if storage is not None and 0 < src.nbytes <= SMALL_RECORD and storage.device.type == "cpu" \
                 and not STREAM_CPU_STORAGES:
-            plan.set_crc(r, batch.add(r.header, storage.data_ptr(), src.nbytes))
-            batch.add_bytes(plan.descriptor(r))
+            plan.set_crc(r, batch.add_record(r.header, storage.data_ptr(), src.nbytes, r.layout.zip64))
             continue
         batch.flush()
         sink.write(r.header)
@@ -450,16 +447,25 @@ class _SmallRecords:
         start = self._room(len(data))
         self.view[start:start + len(data)] = data
 
-    def add(self, header: bytes, address: int, nbytes: int) -> int:
-        """The header and nbytes at address; returns their CRC-32 (0 when CRCs are off)."""
-        self.add_bytes(header)
-        start = self._room(nbytes)
+    def add_record(self, header: bytes, address: int, nbytes: int, zip64: bool) -> int:
+        """A whole record (nbytes > 0): its header, the nbytes at address and
+        its data descriptor (ZipLayout.descriptor's bytes); returns the data's
+        CRC-32 (0 when CRCs are off). One place in the buffer for all three."""
+        descriptor = _DESCRIPTOR64 if zip64 else _DESCRIPTOR
+        size = len(header)
+        start = self._room(size + nbytes + descriptor.size)
+        view = self.view
+        view[start:start + size] = header
+        start += size
         ctypes.memmove(self.address + start, address, nbytes)
-        if not self.compute_crc32:
-            return 0
-        if nbytes >= _ENGINE_CRC_FROM and self.crc32_at is not None:
-            return self.crc32_at(self.address + start, nbytes)
-        return zlib.crc32(self.view[start:start + nbytes])
+        crc = 0
+        if self.compute_crc32:
+            if nbytes >= _ENGINE_CRC_FROM and self.crc32_at is not None:
+                crc = self.crc32_at(self.address + start, nbytes)
+            else:
+                crc = zlib.crc32(view[start:start + nbytes])
+        descriptor.pack_into(view, start + nbytes, 0x08074B50, crc, nbytes, nbytes)
+        return crc
 
     def flush(self) -> None:
         if self.used:
@@ -472,6 +478,8 @@ class _SmallRecords:
 SMALL_RECORD = 64 << 10
 SMALL_BATCH = 1 << 20
 _ENGINE_CRC_FROM = 4 << 10  # below it, zlib's call costs less than the engine's
+_DESCRIPTOR = struct.Struct("<IIII")  # a data descriptor: signature, CRC-32, sizes (ZipLayout.descriptor)
+_DESCRIPTOR64 = struct.Struct("<IIQQ")
 
 
 # ---------------------------------------------------------------------------

@@ -169,7 +169,8 @@ def test_zip64_layout_past_4_gib(folder):
     recorder = torch_format.RecordingZipWriter()
     recorder.write_record("data.pkl", b"\x80\x02}q\x00.", 6)
     recorder.write_record_metadata("data/0", big)
-    recorder.write_record_metadata("data/1", 40)
+    small = torch.arange(10, dtype=torch.float32).untyped_storage()  # written in a small-record batch
+    recorder.records.append(torch_format.RecordSource("data/1", 40, storage=small))
     recorder.write_record("version", b"3\n", 2)
     plan = torch_format.CheckpointPlan("big", recorder.records, 64, compute_crc32=False)
     assert plan.records[2].layout.header_offset > 0xFFFFFFFF  # the layout is known before writing
@@ -188,6 +189,10 @@ def test_zip64_layout_past_4_gib(folder):
     off1 = reader.get_record_offset("data/1")
     assert off0 % 64 == 0 and off1 % 64 == 0
     assert off1 >= off0 + big
+    assert reader.get_record("data/1") == bytes(small)
+    with open(path, "rb") as f:  # its data descriptor past 4 GiB: zip64's, sizes in 64 bits
+        f.seek(off1 + 40)
+        assert struct.unpack("<IIQQ", f.read(24)) == (0x08074B50, 0, 40, 40)
     header = open(path, "rb").read(30)
     assert struct.unpack("<I", header[:4])[0] == 0x04034B50
 
