@@ -504,6 +504,7 @@ class safe_open:  # noqa: N801 - safetensors' name
         self._windows: list = []  # [start, end, buffer, starts, ends] of the spans read last, newest last
         self._ahead: Optional[_WindowAhead] = None  # the window after the last one read, being read
         self._starts: Optional[list] = None  # where each tensor's bytes start in the file, in order
+        self._ends: Optional[list] = None  # and end
         self._read_ahead = READ_AHEAD
         self._lock = threading.Lock()
         self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
@@ -634,7 +635,6 @@ class safe_open:  # noqa: N801 - safetensors' name
                 starts.insert(i, offset)
                 ends.insert(i, offset + nbytes)
         return torch.frombuffer(window[2], dtype=torch.uint8, count=nbytes, offset=offset - window[0]), shared
-
 
     def _new_window(self, offset: int, nbytes: int, opts) -> list:
         """A window holding [offset, offset + nbytes), kept (see _from_window).
