@@ -147,15 +147,21 @@ def read_extents_through_page_cache(fd: int, path: str, extents, checksums: bool
                 iov.append(view)
                 position = offset + nbytes
             total = position - run[0][1]
-            got = os.preadv(fd, iov, run[0][1]) if len(iov) > 1 else 0
-            if got != total:  # one piece, or a short read: piece by piece
-                for (_, offset, nbytes), view in zip(run, views):
-                    done = 0
-                    while done < nbytes:
-                        n = os.preadv(fd, [view[done:]], offset + done)
-                        if n == 0:
-                            raise EOFError(path)
-                        done += n
+            at = run[0][1]
+            try:
+                got = os.preadv(fd, iov, at) if len(iov) > 1 else 0
+                if got != total:  # one piece, or a short read: piece by piece
+                    for (_, offset, nbytes), view in zip(run, views):
+                        done = 0
+                        while done < nbytes:
+                            at = offset + done
+                            n = os.preadv(fd, [view[done:]], at)
+                            if n == 0:
+                                raise EOFError(path)
+                            done += n
+            except OSError as exc:  # named as the engine's errors are: errno, path, operation, offset
+                raise OSError(exc.errno, f"{os.strerror(exc.errno)} (fastpersist page-cache read at offset {at})",
+                              path) from exc
             if checksums:
                 for (_, offset, nbytes), view in zip(run, views):
                     crcs[offset, nbytes] = _engine.crc32(view)

@@ -885,6 +885,8 @@ def load_into(target, f, *, strict: bool = True, verify: bool = False, weights_o
             raise CheckpointError(f"{path}: load_into reads zip checkpoints written by torch.save (1.6 or later); "
                                   "this one is legacy, TorchScript or compressed")
         with image:
+            if verify:
+                image.require_checksums()  # before anything is written: the check comes after the copies
             plan = _fill(image, target, is_module, strict, verify, weights_only, read_early=True)
             if plan is None:  # a guessed data place was wrong (nothing was written): again, from the local headers
                 plan = _fill(image, target, is_module, strict, verify, weights_only, read_early=False)

@@ -761,9 +761,17 @@ class _Slice:
         return self._entry.shape[0]
 
     def __getitem__(self, index):
-        if self._file._fd < 0:  # the file was closed after this slice was taken
-            with self._file._reopened() as again:
-                return _Slice(again, self._entry)[index]
+        if self._file._fd >= 0:
+            try:
+                return self._read_rows(index)
+            except SafetensorsFileError:
+                if self._file._fd >= 0:
+                    raise
+        # the file was closed after this slice was taken (or while it was being read)
+        with self._file._reopened() as again:
+            return _Slice(again, self._entry)._read_rows(index)
+
+    def _read_rows(self, index):
         shape = self._entry.shape
         parts = index if isinstance(index, tuple) else (index,)
         first = parts[0] if parts else Ellipsis

@@ -84,3 +84,25 @@ def test_an_optimizer_state_load_into_reads_in_a_few_calls(tmp_path, preadv_call
         for name, value in state.items():
             assert torch.equal(target["state"][key][name], value)
     assert len(preadv_calls) < 10  # 360 tensors
+
+
+def test_a_failed_page_cache_read_names_the_file_and_offset(tmp_path, monkeypatch):
+    import errno
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(range(256)) * 64)
+    out = bytearray(4096)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(out))
+
+    def failing(fd, buffers, offset):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(fileio.os, "preadv", failing)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(OSError) as raised:
+            fileio.read_extents_through_page_cache(fd, str(path), [(address, 8192, 4096)], False)
+    finally:
+        os.close(fd)
+    assert raised.value.errno == errno.EIO and raised.value.filename == str(path)
+    assert "offset 8192" in str(raised.value)

@@ -368,3 +368,14 @@ def test_small_records_are_read_once_whole_and_checked(folder, engine, monkeypat
     target = optimizer.state_dict()
     with pytest.raises(fastpersist.CheckpointError, match="data/3"):
         fastpersist.load_into(target, folder / "flipped.pt", verify=True, engine=engine)
+
+
+def test_verify_on_a_file_without_checksums_is_refused_before_anything_is_written(folder, monkeypatch):
+    from torch.utils.serialization import config
+
+    monkeypatch.setattr(config.save, "compute_crc32", False)
+    original_save()({"w": torch.ones(3)}, folder / "nocrc.pt")
+    target = {"w": torch.zeros(3)}
+    with pytest.raises(fastpersist.CheckpointError, match="without CRC-32 checksums"):
+        fastpersist.load_into(target, folder / "nocrc.pt", verify=True)
+    assert not target["w"].any(), "refused, yet written"

@@ -266,6 +266,26 @@ def test_no_read_ahead_of_a_tensor_larger_than_a_window_and_nothing_kept_after_c
     assert [n for _, _, n in reads] == [256 << 10], reads  # one window from the slice on, no read ahead
 
 
+def test_a_slice_read_while_another_thread_closes_the_file_reads_it_again(tmp_path, monkeypatch):
+    """A slice is readable after its file is closed; closed while the read is
+    on its way (another thread), the read opens the file again too."""
+    tensors = {"big": torch.randn(300, 64), "small": torch.randn(8)}
+    path = tmp_path / "c.safetensors"
+    fst.save_file(tensors, path)
+    with fst.safe_open(path) as f:
+        rows = f.get_slice("big")
+        real = fst.safe_open._from_window
+
+        def closed_meanwhile(self, *args):
+            if self is f:
+                self.close()  # as another thread would, before this read takes the lock
+            return real(self, *args)
+
+        monkeypatch.setattr(fst.safe_open, "_from_window", closed_meanwhile)
+        assert torch.equal(rows[10:20], tensors["big"][10:20])
+    assert f._fd < 0
+
+
 # ---------------------------------------------------------------------------
 # refusals: the same as safetensors', nothing written
 
