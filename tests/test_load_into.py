@@ -6,7 +6,7 @@ import torch
 import fastpersist
 from fastpersist.patching import original_load, original_save
 
-from conftest import SMALL
+from conftest import SMALL, torch_save_setting
 from corpus import DTYPES, every_dtype_tensor, rewrite_big_endian
 
 
@@ -370,11 +370,9 @@ def test_small_records_are_read_once_whole_and_checked(folder, engine, monkeypat
         fastpersist.load_into(target, folder / "flipped.pt", verify=True, engine=engine)
 
 
-def test_verify_on_a_file_without_checksums_is_refused_before_anything_is_written(folder, monkeypatch):
-    from torch.utils.serialization import config
-
-    monkeypatch.setattr(config.save, "compute_crc32", False)
-    original_save()({"w": torch.ones(3)}, folder / "nocrc.pt")
+def test_verify_on_a_file_without_checksums_is_refused_before_anything_is_written(folder):
+    with torch_save_setting("compute_crc32", False):
+        original_save()({"w": torch.ones(3)}, folder / "nocrc.pt")
     target = {"w": torch.zeros(3)}
     with pytest.raises(fastpersist.CheckpointError, match="without CRC-32 checksums"):
         fastpersist.load_into(target, folder / "nocrc.pt", verify=True)
