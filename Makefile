@@ -47,6 +47,10 @@ deps:
 
 build: deps
 	$(PIP) install -q --no-build-isolation -e .
+	@# bytecode, as pip writes it for an installed wheel: without it (an editable install under
+	@# PYTHONDONTWRITEBYTECODE) every fresh process compiles the modules it imports, ~3 ms for
+	@# plain_pickle alone, which a bench's first save or fresh-process load would count
+	$(PYTHON) -m compileall -q fastpersist
 
 # pip builds a wheel tagged for this machine (linux_x86_64) into dist/.raw/; auditwheel checks that it
 # needs nothing outside a manylinux policy (liburing and libaio are inside it; libc and zlib are in
