@@ -25,6 +25,7 @@ the problem.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
 import os
 import struct
@@ -603,12 +604,26 @@ class safe_open:  # noqa: N801 - safetensors' name
                 out.reshape(-1).view(torch.uint8).copy_(byte_view)
             else:
                 piece = device_io.Piece(offset, nbytes, device_io.byte_view(out.untyped_storage()))
-                with reading_engine(self.path, opts, nbytes) as (engine, direct_fd):
-                    device_io.read_into(engine, direct_fd, self._fd, self.path, [piece], transfer=opts.transfer,
+                with self._descriptor() as fd, reading_engine(self.path, opts, nbytes) as (engine, direct_fd):
+                    device_io.read_into(engine, direct_fd, fd, self.path, [piece], transfer=opts.transfer,
                                         allow_compat=opts.allow_gds_compat)
         except EOFError:
             raise SafetensorsFileError(f"{self.path}: the file ended inside tensor {entry.name!r}") from None
         return out
+
+    @contextlib.contextmanager
+    def _descriptor(self):
+        """A descriptor of the file of its own, for a read outside the lock: a
+        close() from another thread meanwhile cannot hand the number to
+        another file under the read."""
+        with self._lock:
+            if self._fd < 0:
+                raise SafetensorsFileError(f"{self.path}: File is closed")
+            fd = os.dup(self._fd)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
 
     def _from_window(self, offset: int, nbytes: int, opts):
         """(The file's bytes [offset, offset + nbytes) as a uint8 tensor with a

@@ -286,6 +286,27 @@ def test_a_slice_read_while_another_thread_closes_the_file_reads_it_again(tmp_pa
     assert f._fd < 0
 
 
+def test_a_device_read_keeps_its_own_descriptor_while_another_thread_closes_the_file(tmp_path):
+    """A read onto a GPU runs outside the lock, on a descriptor of its own: a
+    close() meanwhile cannot give the number to another file under the read."""
+    path = tmp_path / "d.safetensors"
+    fst.save_file({"t": torch.arange(1024, dtype=torch.int32)}, path)
+    data = path.read_bytes()
+    with fst.safe_open(path) as f:
+        with f._descriptor() as fd:
+            f.close()  # as another thread would
+            other = os.open(tmp_path / "other", os.O_RDWR | os.O_CREAT)  # may take the closed number
+            try:
+                assert os.pread(fd, len(data), 0) == data
+            finally:
+                os.close(other)
+        with pytest.raises(OSError):
+            os.fstat(fd)  # the read's own descriptor is closed with it
+        with pytest.raises(SafetensorsFileError, match="File is closed"):
+            with f._descriptor():
+                pass
+
+
 # ---------------------------------------------------------------------------
 # refusals: the same as safetensors', nothing written
 
