@@ -502,7 +502,7 @@ class safe_open:  # noqa: N801 - safetensors' name
     def __init__(self, filename, framework: str = "pt", device="cpu", backend: Optional[str] = None):
         self.path = os.fspath(filename)
         self.device = _device_of(device)
-        self._windows: list = []  # [start, end, buffer, starts, ends] of the spans read last, newest last
+        self._windows: list = []  # the _Windows read last, the one used last at the end
         self._ahead: Optional[_WindowAhead] = None  # the window after the last one read, being read
         self._starts: Optional[list] = None  # where each tensor's bytes start in the file, in order
         self._ends: Optional[list] = None  # and end
@@ -637,28 +637,22 @@ class safe_open:  # noqa: N801 - safetensors' name
         with self._lock:  # transformers materializes a shard's tensors from several threads
             if self._fd < 0:  # closed by another thread meanwhile
                 raise SafetensorsFileError(f"{self.path}: File is closed")
-            window = next((w for w in reversed(self._windows) if w[0] <= offset and offset + nbytes <= w[1]), None)
+            window = next((w for w in reversed(self._windows) if w.holds(offset, nbytes)), None)
             if window is not None and window is not self._windows[-1]:
                 self._windows.remove(window)  # the most recently used last: the least recently used goes first
                 self._windows.append(window)
             if window is None:
                 window = self._new_window(offset, nbytes, opts)
-            starts, ends = window[3], window[4]
-            i = bisect.bisect_right(starts, offset)
-            shared = (i > 0 and ends[i - 1] > offset) or (i < len(starts) and starts[i] < offset + nbytes)
-            if not shared:
-                starts.insert(i, offset)
-                ends.insert(i, offset + nbytes)
-        return torch.frombuffer(window[2], dtype=torch.uint8, count=nbytes, offset=offset - window[0]), shared
+            return window.hand_out(offset, nbytes)
 
-    def _new_window(self, offset: int, nbytes: int, opts) -> list:
+    def _new_window(self, offset: int, nbytes: int, opts) -> "_Window":
         """A window holding [offset, offset + nbytes), kept (see _from_window).
         In a large file, the window after it is then read on a thread while
         its tensors are handed out: it starts at the tensor the window ends
         in, so that names asked for in order find their next window read."""
         if self._size <= WHOLE_FILE:  # every tensor of it, in whatever order: one read
             start, end = self._header.data_start, self._size
-            window = [start, end, _read_span(self._fd, self.path, start, end - start, opts), [], []]
+            window = _Window(start, end, _read_span(self._fd, self.path, start, end - start, opts))
             self._windows.append(window)
             return window
         window = None
@@ -668,21 +662,20 @@ class safe_open:  # noqa: N801 - safetensors' name
             self._ahead = None
             buffer = ahead.wait()  # a failed read ahead is read again below, and raises there
             if buffer is not None:
-                # [start, end, buffer, starts and ends of the views handed out from it (sorted, disjoint)]
-                read = [ahead.start, ahead.end, buffer, [], []]
-                if read[0] <= offset and offset + nbytes <= read[1]:
+                read = _Window(ahead.start, ahead.end, buffer)
+                if read.holds(offset, nbytes):
                     window = read
                 else:  # kept: names asked for in order come back to it at the next turn of dtype group
                     self._windows = (self._windows + [read])[-WINDOWS_KEPT:]
         if window is None:
             start, end = offset, min(self._size, offset + max(nbytes, WINDOW))
-            window = [start, end, _read_span(self._fd, self.path, start, end - start, opts), [], []]
+            window = _Window(start, end, _read_span(self._fd, self.path, start, end - start, opts))
         self._windows = (self._windows + [window])[-WINDOWS_KEPT:]
-        found = self._tensor_at(window[1]) if self._read_ahead and READ_AHEAD and self._ahead is None else None
+        found = self._tensor_at(window.end) if self._read_ahead and READ_AHEAD and self._ahead is None else None
         if found is not None:
             following, following_end = found
-            if following <= window[0]:  # the window began inside that tensor (a slice of rows): its rest
-                following = window[1]
+            if following <= window.start:  # the window began inside that tensor (a slice of rows): its rest
+                following = window.end
             elif following_end - following > WINDOW:
                 return window  # a tensor larger than a window: maybe only a slice of it is wanted
             self._ahead = _WindowAhead(self._fd, self.path, following, min(self._size, following + WINDOW), opts)
@@ -699,6 +692,33 @@ class safe_open:  # noqa: N801 - safetensors' name
         if position >= self._size or i < 0:
             return None
         return self._starts[i], self._ends[i]
+
+
+class _Window:
+    """Bytes [start, end) of the file, read at once, and the spans of them
+    handed out as views (sorted, disjoint): a span asked for again, or
+    overlapping one handed out, is copied instead (safetensors' tensors
+    share no memory)."""
+
+    __slots__ = ("start", "end", "buffer", "starts", "ends")
+
+    def __init__(self, start: int, end: int, buffer):
+        self.start, self.end, self.buffer = start, end, buffer
+        self.starts: list = []
+        self.ends: list = []
+
+    def holds(self, offset: int, nbytes: int) -> bool:
+        return self.start <= offset and offset + nbytes <= self.end
+
+    def hand_out(self, offset: int, nbytes: int):
+        """(A uint8 tensor over bytes [offset, offset + nbytes), whether any of
+        them were handed out before); the span is recorded where not."""
+        i = bisect.bisect_right(self.starts, offset)
+        shared = (i > 0 and self.ends[i - 1] > offset) or (i < len(self.starts) and self.starts[i] < offset + nbytes)
+        if not shared:
+            self.starts.insert(i, offset)
+            self.ends.insert(i, offset + nbytes)
+        return torch.frombuffer(self.buffer, dtype=torch.uint8, count=nbytes, offset=offset - self.start), shared
 
 
 class _WindowAhead:
