@@ -907,24 +907,18 @@ def _fill(image: _CheckpointImage, target, is_module: bool, strict: bool, verify
     else:
         target_flat = _flatten(target, "target")
     with contextlib.ExitStack() as stack:
-        ahead, whole_file = None, False
+        early = None
         if read_early and image.view is None and image.size < SMALL_LOAD_BYTES and not STREAM_LOADS \
                 and image.headers_span_most_data() \
                 and all(v.is_cpu for v in target_flat.values() if isinstance(v, torch.Tensor)):
-            # Small records: fetching their local headers reads most of the file through the page cache,
-            # and the engine's read of the data would read it again (Adam's state of 1,452 tensors,
-            # cold: 74 ms against 29 for fastpersist.load). The whole file is read once, into memory
-            # (a temporary: this small), while the layout runs, and the tensors are copied from there
-            # (CPU ones: others go through the engine's buffers, a read of their own).
-            image.prefetch_pickle()  # read ahead of the whole file's read, which the layout does not wait for
-            image.start_reading()
-            whole_file = True
+            early = _WholeFileRead(image)
         elif read_early:
-            ahead = _DataAhead.begin(image)
-        if ahead is not None:
-            stack.callback(ahead.close)
+            early = _DataAhead.begin(image)
+        if early is None:
+            early = _HeadersFetched(image)
+        stack.callback(early.close)
         reader = _NativeOrderReader(image.index, image.read_at, source=image.path)
-        stored = _layout(image, reader, weights_only, ahead, whole_file)
+        stored = _layout(image, reader, weights_only, early)
         # a tree-shaped pickle holds fewer leaves than bytes: more keys than
         # that and the target's come from shared containers nested in each other
         try:
@@ -934,10 +928,62 @@ def _fill(image: _CheckpointImage, target, is_module: bool, strict: bool, verify
             raise CheckpointError(f"{image.path}: {exc}") from None
         if is_module:
             stored_flat = {(_key(k),): v for k, v in stored_flat.items()}
-        unchecked = ahead is not None and ahead.unchecked
+        unchecked = early.unchecked
         plan = _plan(image, stored_flat, target_flat, strict, is_module, target,
                      reader.guessed_records() if unchecked else image.index.by_data_offset())
-        return plan if plan.execute(image, verify, ahead, reader) else None
+        return plan if plan.execute(image, verify, early if unchecked else None, reader) else None
+
+
+# What load_into reads while its layout unpickles, each with the same calls:
+# guesses_hold(reader) once a plain layout is made (whether it stands, the
+# records' data places it guessed confirmed or left to check later: then
+# ``unchecked``), stop() before torch's own layout, close() at the end.
+
+class _HeadersFetched:
+    """Nothing but the local headers that confirm the guessed data places,
+    fetched while the layout unpickles; the data is read after the plan."""
+
+    unchecked = False
+
+    def __init__(self, image: _CheckpointImage):
+        image.prefetch_local_headers()
+
+    def guesses_hold(self, reader: TorchArchiveReader) -> bool:
+        return reader.predictions_hold()
+
+    def stop(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _WholeFileRead:
+    """The whole file read into memory while the layout runs, for a small
+    file of small records: fetching their local headers reads most of it
+    through the page cache, and the engine's read of the data would read it
+    again (Adam's state of 1,452 tensors, cold: 74 ms against 29 for
+    fastpersist.load). The headers are checked in that memory, and CPU
+    tensors copied from it (others go through the engine's buffers, a read
+    of their own)."""
+
+    unchecked = False
+
+    def __init__(self, image: _CheckpointImage):
+        self.image = image
+        image.prefetch_pickle()  # read ahead of the whole file's read, which the layout does not wait for
+        image.start_reading()
+
+    def guesses_hold(self, reader: TorchArchiveReader) -> bool:
+        self.stop()
+        return reader.predictions_hold()
+
+    def stop(self) -> None:
+        if self.image.view is None:
+            self.image.finish_reading(resolve=False)
+
+    def close(self) -> None:
+        pass  # the image waits for its read when it closes
 
 
 class _DataAhead:
@@ -976,6 +1022,12 @@ class _DataAhead:
             context.__exit__(None, None, None)
             raise
 
+    def guesses_hold(self, reader: TorchArchiveReader) -> bool:
+        return True  # checked by _Plan.execute, before a tensor is written
+
+    def stop(self) -> None:
+        self.close()
+
     def close(self) -> None:
         """Ends the read if it is still going (the layout could not guess: the
         read then goes the usual way) and gives the engine back."""
@@ -987,36 +1039,23 @@ class _DataAhead:
             context.__exit__(None, None, None)
 
 
-def _layout(image: _CheckpointImage, reader: TorchArchiveReader, weights_only: bool,
-            ahead: Optional[_DataAhead] = None, whole_file: bool = False):
+def _layout(image: _CheckpointImage, reader: TorchArchiveReader, weights_only: bool, early):
     """The checkpoint's objects, tensors as StoredTensors or meta tensors:
     shapes and file places only, no tensor data read. A plain state dict is
-    unpickled while the local headers that say where each record's data
-    starts are still being fetched, with the places guessed (see
-    storage_for_key), and used once the headers confirm every guess; with
-    ``ahead`` (the data's read begun already), the caller checks the guesses
-    after that read. With ``whole_file``, the image's read of the whole file
-    (start_reading) goes on meanwhile, and the headers are read from it once
-    it is done. Anything else, once ``ahead`` is closed, waits for the headers."""
-
-    def file_read() -> None:
-        if whole_file and image.view is None:
-            image.finish_reading(resolve=False)
-
-    if ahead is None and not whole_file:
-        image.prefetch_local_headers()
+    unpickled while ``early`` reads (the local headers, the whole file or
+    the data: see _HeadersFetched and the classes beside it), with each
+    record's data place guessed (see layout_offset_for_key), and kept where
+    early says the guesses hold. Anything else stops early, then waits for
+    the headers and goes through torch's unpickler."""
     if _plain_state_may_apply(reader.records_checked, weights_only, None if weights_only else pickle, {}):
         try:
             stored = _torch_api.unpickle_plain_state(reader, reader.layout_offset_for_key, "meta", layout=True)
         except _torch_api.NotPlainState:
             pass
         else:
-            file_read()
-            if ahead is not None or reader.predictions_hold():
+            if early.guesses_hold(reader):
                 return stored
-    file_read()
-    if ahead is not None:
-        ahead.close()
+    early.stop()
     image.index.resolve(image.read_at)  # lenient: a record torch would refuse raises where it is used
 
     def check(key, nbytes: int) -> None:  # every storage, restored or not: torch.load reads them all
@@ -1109,7 +1148,8 @@ class _Plan:
     def execute(self, image: _CheckpointImage, verify: bool, ahead: Optional[_DataAhead] = None,
                 reader: Optional[TorchArchiveReader] = None) -> bool:
         """Reads every tensor into its destination; False, with nothing
-        written, where ahead's guessed places proved wrong (see _fill)."""
+        written, where the places ``ahead`` (the data's read, begun before
+        the layout's guesses were checked) read from proved wrong."""
         import torch
 
         temporaries = {}  # one per stored storage, however many tensors view it
