@@ -585,3 +585,34 @@ def test_safetensors_of_gpu_tensors_are_safetensors_bytes_and_load_to_the_gpu(tm
     with fst.safe_open(tmp_path / "g.safetensors", framework="pt", device="cuda") as f:
         rows = f.get_slice("w")[10:20]
         assert rows.is_cuda and torch.equal(rows.cpu(), host["w"][10:20])
+
+
+def test_from_pretrained_onto_the_gpu_reads_through_fastpersist(tmp_path, monkeypatch):
+    """transformers' sharded save_pretrained and from_pretrained(device_map="cuda")
+    under the patch: every shard opened by fastpersist's safe_open, the model
+    on the GPU equal to the one saved."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # device_map needs it
+    from fastpersist import safetensors as fst
+
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    was = fastpersist.is_patched()
+    fastpersist.patch()
+    try:
+        model.save_pretrained(tmp_path, max_shard_size="20KB")
+        shards = sorted(tmp_path.glob("*.safetensors"))
+        assert len(shards) > 2
+        opened = []
+        real_read = fst.Header.read.__func__
+        monkeypatch.setattr(fst.Header, "read", classmethod(lambda cls, fd, path, size: opened.append(path)
+                                                            or real_read(cls, fd, path, size)))
+        loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path, device_map="cuda")
+    finally:
+        if not was:
+            fastpersist.unpatch()
+    assert {os.path.basename(p) for p in opened} >= {p.name for p in shards}
+    for k, v in model.state_dict().items():
+        got = loaded.state_dict()[k]
+        assert got.is_cuda and torch.equal(got.cpu(), v), k
