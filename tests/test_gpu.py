@@ -589,8 +589,9 @@ def test_safetensors_of_gpu_tensors_are_safetensors_bytes_and_load_to_the_gpu(tm
 
 def test_from_pretrained_onto_the_gpu_reads_through_fastpersist(tmp_path, monkeypatch):
     """transformers' sharded save_pretrained and from_pretrained(device_map="cuda")
-    under the patch: every shard opened by fastpersist's safe_open, the model
-    on the GPU equal to the one saved."""
+    under the patch: every shard opened by fastpersist's safe_open (transformers
+    5 opens shards on the CPU and moves the tensors itself), the model on the
+    GPU equal to the one saved."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")  # device_map needs it
     from fastpersist import safetensors as fst
