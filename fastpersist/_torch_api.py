@@ -140,6 +140,13 @@ class _QuickPickleModule:
 _QUICK_PICKLE = _QuickPickleModule()
 
 
+def stream_save_applies() -> bool:
+    """Whether a save to a file object may be planned and written by
+    fastpersist: not under skip_data (torch then seeks over the storages'
+    bytes) or a fake mode (storages without memory)."""
+    return _capture_applies()
+
+
 def _capture_applies() -> bool:
     return (not _ts._serialization_tls.skip_data and not _ts._serialization_tls.materialize_fake_tensors
             and torch._guards.detect_fake_mode(None) is None)

@@ -46,6 +46,33 @@ def not_accelerated_because(f, pickle_module, use_new_zipfile: bool) -> Optional
     return None
 
 
+def stream_not_accelerated_because(f, pickle_module, use_new_zipfile: bool) -> Optional[str]:
+    """Why a torch.save call to a file object must go to the original, or None."""
+    if not use_new_zipfile:
+        return "the legacy format was asked for"
+    if not callable(getattr(f, "write", None)):
+        return "the target has no callable write()"  # torch raises its own error
+    if not hasattr(pickle_module, "Pickler"):
+        return "the pickle module has no Pickler"
+    if not _torch_api.stream_save_applies():
+        return "torch's skip_data or a fake-tensor mode is in effect"
+    return None
+
+
+def save_to_stream(obj, f, pickle_module=pickle, pickle_protocol: int = DEFAULT_PROTOCOL,
+                   disable_byteorder_record: bool = False) -> int:
+    """Writes obj as a torch checkpoint into the file object f, from where
+    it stands, through ``f.write`` (no engine: the stream is the caller's),
+    then flushes it as torch.save does; returns the bytes written. The
+    pickle and the records are planned before the first write."""
+    plan = torch_format.CheckpointPlan.for_stream(obj, pickle_module, pickle_protocol, disable_byteorder_record)
+    size = torch_format.write_plan(plan, torch_format.StreamSink(f))
+    flush = getattr(f, "flush", None)
+    if callable(flush):
+        flush()
+    return size
+
+
 def save_to_path(obj, path: str, opts: Options, pickle_module=pickle, pickle_protocol: int = DEFAULT_PROTOCOL,
                  disable_byteorder_record: bool = False) -> int:
     """Writes obj as a torch checkpoint at path; returns its size in bytes."""

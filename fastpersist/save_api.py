@@ -30,9 +30,13 @@ def save(obj, f, pickle_module=pickle, pickle_protocol: int = _torch_api.DEFAULT
 
     When ``f`` is a path, the checkpoint is streamed through fastpersist's
     engine into a temporary file beside it, made durable (fsync) and renamed
-    over ``f``: a failed save leaves any previous file untouched. Other
-    targets (file objects, buffers) and ``_use_new_zipfile_serialization=False``
-    go to the original ``torch.save``.
+    over ``f``: a failed save leaves any previous file untouched. When ``f``
+    is a file object (a ``BytesIO``, an open file, anything with ``write``),
+    the same bytes torch.save would write there are planned by fastpersist
+    (its pickle writer for plain data) and written through ``f.write`` from
+    where ``f`` stands, then ``f.flush()``, as torch.save does: no engine, and
+    the stream's durability stays the caller's. ``_use_new_zipfile_serialization=False``
+    goes to the original ``torch.save``.
 
     ``group`` (a torch.distributed process group, or ``torch.distributed.group.WORLD``):
     every rank of it calls save with the same state, and each writes a
@@ -45,8 +49,8 @@ def save(obj, f, pickle_module=pickle, pickle_protocol: int = _torch_api.DEFAULT
     Args:
         obj: what to save: a state dict, a checkpoint dict, any object
             ``torch.save`` takes. Tensors on a GPU are streamed from the device.
-        f: the destination: a ``str`` or ``os.PathLike`` path (accelerated), or
-            a file object (handed to the original ``torch.save``).
+        f: the destination: a ``str`` or ``os.PathLike`` path (through the
+            engine), or a file object (through its ``write``).
         pickle_module: as ``torch.save``'s; one without a ``Pickler`` goes to
             the original ``torch.save``.
         pickle_protocol: as ``torch.save``'s.
@@ -87,6 +91,12 @@ def save(obj, f, pickle_module=pickle, pickle_protocol: int = _torch_api.DEFAULT
             wait_for_saves_to(path)
         save_partitioned(obj, path, group, opts, pickle_module, pickle_protocol, _disable_byteorder_record, refusal)
         return
+    if reason and not isinstance(f, (str, os.PathLike)):
+        stream_reason = _single.stream_not_accelerated_because(f, pickle_module, _use_new_zipfile_serialization)
+        if stream_reason is None:
+            _single.save_to_stream(obj, f, pickle_module, pickle_protocol, _disable_byteorder_record)
+            return
+        reason = stream_reason
     if reason:
         log.debug("fastpersist: torch.save to %r goes to the original torch.save: %s", f, reason)
         return _torch_api.original_save()(obj, f, pickle_module, pickle_protocol,

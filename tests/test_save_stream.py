@@ -1,0 +1,179 @@
+"""fastpersist.save (and the patched torch.save) to a file object: the bytes
+torch.save writes there, planned by fastpersist (its pickle writer for plain
+data) and written through the object's write(), from where it stands."""
+import importlib
+import io
+import os
+import struct
+import pickle
+import zipfile
+
+import pytest
+import torch
+
+import fastpersist
+from fastpersist import _torch_api, torch_format
+from fastpersist.patching import original_save
+
+from conftest import torch_save_setting
+from corpus import corpus
+from test_format import OBJECTS
+
+save_module = importlib.import_module("fastpersist.save")  # the module; the package's "save" is the function
+
+
+def _serialization_id(data: bytes) -> str:
+    """Read without zipfile's CRC check (saves with compute_crc32 off have CRC 0)."""
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith(".data/serialization_id"))
+    name_len, extra_len = struct.unpack_from("<HH", data, info.header_offset + 26)
+    start = info.header_offset + 30 + name_len + extra_len
+    return data[start:start + info.file_size].decode()
+
+
+def torch_and_ours(obj, monkeypatch, **save_arguments):
+    """torch.save's bytes into one BytesIO and fastpersist.save's into another, with torch's serialization id."""
+    ref = io.BytesIO()
+    original_save()(obj, ref, **save_arguments)
+    monkeypatch.setattr(torch_format, "new_serialization_id", lambda: _serialization_id(ref.getvalue()))
+    ours = io.BytesIO()
+    fastpersist.save(obj, ours, **save_arguments)
+    return ref.getvalue(), ours.getvalue()
+
+
+CASES = {**{f"corpus:{k}": v for k, v in corpus().items()}, **{f"format:{k}": v for k, v in OBJECTS.items()}}
+
+
+@pytest.mark.parametrize("key", CASES)
+def test_a_buffer_gets_torch_saves_bytes(key, monkeypatch):
+    ref, ours = torch_and_ours(CASES[key], monkeypatch)
+    assert ours == ref
+
+
+@pytest.mark.parametrize("engine_loaded", [False, True])
+def test_checksums_by_zlib_and_by_the_engine_are_torchs(monkeypatch, engine_loaded):
+    """Small records' CRC-32s by zlib, large ones' by the engine (loaded for
+    them where it is not yet): the descriptors and directory are torch's."""
+    from fastpersist import _engine
+
+    monkeypatch.setattr(_engine, "loaded", lambda: engine_loaded)
+    state = {"tiny": torch.arange(10), "small": torch.randn(2048), "large": torch.randn(512, 1024)}
+    ref, ours = torch_and_ours(state, monkeypatch)
+    assert ours == ref
+
+
+def test_plain_data_goes_through_the_pickle_writer_not_torchs_save(monkeypatch):
+    monkeypatch.setattr(_torch_api, "original_save", lambda: pytest.fail("the original torch.save ran"))
+    monkeypatch.setattr(_torch_api, "pickle_into", lambda *a, **k: pytest.fail("torch's pickling ran"))
+    state = {"w": torch.randn(30, 7), "step": 3}
+    buffer = io.BytesIO()
+    fastpersist.save(state, buffer)
+    buffer.seek(0)
+    assert torch.equal(torch.load(buffer, weights_only=True)["w"], state["w"])
+
+
+def test_a_real_file_object_is_written_from_its_position_and_flushed(tmp_path, monkeypatch):
+    state = {"w": torch.randn(100, 100), "b": torch.arange(5)}
+    ref, _ = torch_and_ours(state, monkeypatch)
+    path = tmp_path / "f.bin"
+    with open(path, "wb") as f:
+        f.write(b"header!")
+        fastpersist.save(state, f)
+        assert os.path.getsize(path) == 7 + len(ref)  # flushed, as torch.save flushes
+        f.write(b"trailer")
+    assert path.read_bytes() == b"header!" + ref + b"trailer"
+
+
+class _Trickle(io.RawIOBase):
+    """A raw stream that takes at most 1,000 bytes a call, as a raw file may."""
+
+    def __init__(self):
+        self.data = bytearray()
+
+    def writable(self):
+        return True
+
+    def write(self, b):
+        n = min(len(b), 1000)
+        self.data += bytes(memoryview(b)[:n])
+        return n
+
+
+class _WriteOnly:
+    """Only write(), returning None: a stream that cannot seek or tell."""
+
+    def __init__(self):
+        self.parts = []
+
+    def write(self, b):
+        self.parts.append(bytes(b))
+
+
+def test_short_writes_and_streams_that_cannot_seek(monkeypatch):
+    state = {"w": torch.randn(300, 50), "small": [torch.ones(i) for i in range(20)]}
+    ref, _ = torch_and_ours(state, monkeypatch)
+    trickle, write_only = _Trickle(), _WriteOnly()
+    fastpersist.save(state, trickle)
+    fastpersist.save(state, write_only)
+    assert bytes(trickle.data) == ref
+    assert b"".join(write_only.parts) == ref
+
+
+def test_the_patched_torch_save_routes_buffers(monkeypatch):
+    calls = []
+    real = save_module.save_to_stream
+    monkeypatch.setattr(save_module, "save_to_stream", lambda *a, **k: calls.append(1) or real(*a, **k))
+    was = fastpersist.is_patched()
+    fastpersist.patch()
+    try:
+        buffer = io.BytesIO()
+        torch.save({"a": torch.ones(3)}, buffer)
+    finally:
+        if not was:
+            fastpersist.unpatch()
+    assert calls == [1]
+    buffer.seek(0)
+    assert torch.equal(torch.load(buffer, weights_only=True)["a"], torch.ones(3))
+
+
+def test_what_torch_writes_itself_still_goes_to_torch(monkeypatch):
+    """skip_data, the legacy format and pickle modules without a Pickler go
+    to the original torch.save, as for paths."""
+    monkeypatch.setattr(save_module, "save_to_stream", lambda *a, **k: pytest.fail("fastpersist wrote the stream"))
+    state = {"w": torch.randn(10)}
+    with torch.serialization.skip_data():
+        fastpersist.save(state, io.BytesIO())
+    legacy = io.BytesIO()
+    fastpersist.save(state, legacy, _use_new_zipfile_serialization=False)
+    legacy.seek(0)
+    assert torch.equal(torch.load(legacy, weights_only=True)["w"], state["w"])
+
+
+def test_settings_and_protocols_are_torchs(monkeypatch):
+    state = {"w": torch.randn(33, 3), "i": torch.arange(9)}
+    with torch_save_setting("compute_crc32", False):
+        ref, ours = torch_and_ours(state, monkeypatch)
+        assert ours == ref
+    with torch_save_setting("storage_alignment", 4096):
+        ref, ours = torch_and_ours(state, monkeypatch)
+        assert ours == ref
+    ref, ours = torch_and_ours(state, monkeypatch, pickle_protocol=4, _disable_byteorder_record=True)
+    assert ours == ref
+
+
+def test_a_failed_pickling_writes_nothing_and_raises_torchs_error():
+    obj = {"w": torch.ones(2), "f": lambda: None}
+    with pytest.raises(Exception) as theirs:
+        original_save()(obj, io.BytesIO())
+    buffer = io.BytesIO()
+    with pytest.raises(type(theirs.value)):
+        fastpersist.save(obj, buffer)
+    assert buffer.getvalue() == b""  # planned before the first write (torch leaves a partial archive)
+
+
+def test_no_write_method_is_torchs_error():
+    with pytest.raises(AttributeError) as theirs:
+        original_save()({"a": 1}, object())
+    with pytest.raises(AttributeError, match=str(theirs.value)[:20]):
+        fastpersist.save({"a": 1}, object())
+    assert pickle  # the module torch's default pickle_module is
