@@ -617,3 +617,28 @@ def test_from_pretrained_onto_the_gpu_reads_through_fastpersist(tmp_path, monkey
     for k, v in model.state_dict().items():
         got = loaded.state_dict()[k]
         assert got.is_cuda and torch.equal(got.cpu(), v), k
+
+
+def test_a_buffer_gets_torch_saves_bytes_for_gpu_state():
+    """torch.save of GPU tensors into a BytesIO through fastpersist: each
+    storage copied to the host on its own, the bytes torch writes there."""
+    import io
+    import zipfile
+
+    from fastpersist import torch_format
+    from fastpersist.patching import original_save
+
+    g = torch.Generator().manual_seed(3)
+    state = {"w": torch.randn(300, 70, generator=g).cuda(), "b": torch.arange(9).cuda(), "cpu": torch.ones(4)}
+    ref = io.BytesIO()
+    original_save()(state, ref)
+    with zipfile.ZipFile(io.BytesIO(ref.getvalue())) as z:
+        sid = z.read("archive/.data/serialization_id").decode()
+    real_id = torch_format.new_serialization_id
+    torch_format.new_serialization_id = lambda: sid
+    try:
+        ours = io.BytesIO()
+        fastpersist.save(state, ours)
+    finally:
+        torch_format.new_serialization_id = real_id
+    assert ours.getvalue() == ref.getvalue()
