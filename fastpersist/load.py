@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import io
 import mmap as _mmap
 import os
 import pickle
 import queue
+import stat
 import sys
 import threading
 import time
@@ -34,7 +36,8 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple, Optional
 
 from . import _engine, _torch_api, device_io, gc_pause
-from .fileio import cached_fraction, prefaulting, read_extents, read_extents_through_page_cache, reading_engine
+from .fileio import (cached_fraction, prefaulting, read_extents, read_extents_through_page_cache, reading_engine,
+                     same_file)
 from .options import Options, current_options
 from ._torch_api import StoredStorage, StoredTensor
 from .torch_format import ArchiveIndex, CheckpointError, TorchArchiveReader
@@ -55,9 +58,11 @@ def load(f, map_location=None, pickle_module=None, *, weights_only: Optional[boo
     """Loads a checkpoint like ``torch.load(f, ...)`` and returns the same objects.
 
     Paths to zip checkpoints (what torch.save has written since 1.6) are read
-    through fastpersist's engine. File objects, ``mmap=True``, legacy and
-    TorchScript files, meta/fake loads and ``.safetensors`` go to the original
-    ``torch.load``. Differences: the tensors of one checkpoint share one
+    through fastpersist's engine, and so is a file opened read-only at its
+    start (``open(path, "rb")``, fsspec's local files), by its path. Other
+    file objects (``BytesIO``, compressed streams, files opened for writing),
+    ``mmap=True``, legacy and TorchScript files, meta/fake loads and
+    ``.safetensors`` go to the original ``torch.load``. Differences: the tensors of one checkpoint share one
     allocation, freed when the last of them is (as with ``mmap=True``). It
     holds the whole file; a file of which more than half, and more than 64
     MiB, lies outside every record (a hole) is read record by record
@@ -71,8 +76,9 @@ def load(f, map_location=None, pickle_module=None, *, weights_only: Optional[boo
     for files saved without checksums, which cannot be verified).
 
     Args:
-        f: a ``str`` or ``os.PathLike`` path (accelerated), or a file object
-            (handed to the original ``torch.load``).
+        f: a ``str`` or ``os.PathLike`` path, or a file object (a plain file
+            opened read-only at its start is read by its path; others are
+            handed to the original ``torch.load``).
         map_location: as ``torch.load``'s: a device, a string, a dict or a
             callable. CUDA devices are read into directly, buffer by buffer.
         pickle_module: as ``torch.load``'s.
@@ -106,9 +112,11 @@ def load(f, map_location=None, pickle_module=None, *, weights_only: Optional[boo
         return _torch_api.original_load()(f, map_location, pickle_module, weights_only=weights_only, mmap=mmap,
                                **pickle_load_args)
 
-    if not _is_plain_path(f) or os.fspath(f).endswith(".safetensors") or _torch_api.lazy_or_meta_load(map_location, mmap):
+    source = f if _is_plain_path(f) else _path_of_file_object(f)  # an open file is read by its path
+    if source is None or os.fspath(source).endswith(".safetensors") \
+            or _torch_api.lazy_or_meta_load(map_location, mmap):
         return delegate()
-    path = os.fspath(f)
+    path = os.fspath(source)
 
     # The file first: legacy and TorchScript files go to torch.load before
     # anything below could warn twice.
@@ -330,6 +338,30 @@ def _plain_state_may_apply(checksummed: bool, weights_only: bool, pickle_module,
 
 def _is_plain_path(f) -> bool:
     return isinstance(f, (str, os.PathLike)) and isinstance(os.fspath(f), str)
+
+
+def _path_of_file_object(f) -> Optional[str]:
+    """The path to read for a file object, or None where torch.load must read
+    the object itself: a plain file opened read-only (``open(path, "rb")``,
+    or fsspec's local file without compression, which Lightning hands
+    torch.load) at its start, whose name still names its file. Wrappers
+    (gzip, zip members, sockets, BytesIO) and files opened for writing
+    (their unflushed bytes) are the object's own to read."""
+    if type(f).__name__ == "LocalFileOpener" and type(f).__module__ == "fsspec.implementations.local":
+        f = getattr(f, "f", None)
+    raw = getattr(f, "raw", f) if isinstance(f, io.BufferedReader) else f
+    if type(raw) is not io.FileIO:
+        return None
+    try:
+        name = f.name
+        if not isinstance(name, str) or f.closed or not f.readable() or f.writable() or f.tell() != 0:
+            return None
+        opened = os.fstat(f.fileno())
+        if not stat.S_ISREG(opened.st_mode) or not same_file(opened, os.stat(name)):
+            return None  # renamed or replaced since it was opened, or not a file
+    except (OSError, ValueError):
+        return None
+    return name
 
 
 class _CheckpointImage:

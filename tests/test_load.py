@@ -421,7 +421,7 @@ def test_pickle_load_args_reach_the_unpickler(folder):
 # ---- what goes to torch.load ----------------------------------------------------
 
 
-def test_file_objects_go_to_torch(folder):
+def test_file_objects_load_what_torch_loads(folder):  # which are read by path: test_load_file_objects.py
     original_save()(corpus(), folder / "c.pt")
     expected = torch_load(folder / "c.pt", weights_only=False)
     with open(folder / "c.pt", "rb") as f:
