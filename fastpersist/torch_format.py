@@ -14,6 +14,8 @@ so the whole layout is known before a byte of tensor data is written.
 from __future__ import annotations
 
 import ctypes
+import errno
+import io
 import secrets
 import struct
 import sys
@@ -414,7 +416,9 @@ def write_plan(plan: CheckpointPlan, sink) -> int:
                 elif hasattr(sink, "reserve"):
                     crc = stream_storage(storage, src.nbytes, sink, crc, copiers)
                 else:
-                    crc = sink.write_address(storage.cpu().data_ptr(), src.nbytes, crc)
+                    host = storage.cpu()  # held until written: its memory is read after data_ptr() returns
+                    crc = sink.write_address(host.data_ptr(), src.nbytes, crc)
+                    del host
                 plan.set_crc(r, crc or 0)
         else:
             sink.write_zeros(src.nbytes)
@@ -443,14 +447,20 @@ class StreamSink:
         self._engine = _engine
 
     def write(self, data) -> None:
-        view = memoryview(data).cast("B")
-        while len(view):
+        view = memoryview(data).cast("B").toreadonly()  # read-only, as torch's views are
+        if not isinstance(self.stream, io.RawIOBase):
+            self.stream.write(view)  # what it returns is its own (a compressor's output count): torch ignores it
+            return
+        while len(view):  # a raw stream may write less: its count says how much (io.RawIOBase.write)
             n = self.stream.write(view)
-            if not isinstance(n, int) or n >= len(view):
-                return  # a stream that says nothing wrote it all, as torch assumes
+            if n is None:
+                raise BlockingIOError(errno.EAGAIN, f"{self.stream!r} is non-blocking and took none of "
+                                                    f"{len(view)} bytes")
+            if type(n) is not int or n >= len(view):
+                return
             if n <= 0:
-                raise OSError(f"{self.stream!r}.write() wrote nothing of {len(view)} bytes")
-            view = view[n:]  # a raw stream's short write: the rest again
+                raise OSError(errno.EIO, f"{self.stream!r}.write() wrote nothing of {len(view)} bytes")
+            view = view[n:]
 
     def write_address(self, address: int, nbytes: int, crc: Optional[int] = None) -> Optional[int]:
         view = memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B")

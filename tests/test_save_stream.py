@@ -177,3 +177,67 @@ def test_no_write_method_is_torchs_error():
     with pytest.raises(AttributeError, match=str(theirs.value)[:20]):
         fastpersist.save({"a": 1}, object())
     assert pickle  # the module torch's default pickle_module is
+
+
+class _Compressing:
+    """A stream whose write() returns what it emitted, not what it took (a
+    compressor's count), and one that returns True: torch ignores both."""
+
+    def __init__(self, returns_true=False):
+        self.data = bytearray()
+        self.returns_true = returns_true
+
+    def write(self, b):
+        self.data += bytes(b)
+        return True if self.returns_true else len(b) // 3
+
+
+def test_what_a_non_raw_streams_write_returns_is_ignored_as_torch_ignores_it(monkeypatch):
+    state = {"w": torch.randn(1000), "s": [torch.ones(i) for i in range(5)]}
+    ref, _ = torch_and_ours(state, monkeypatch)
+    for stream in (_Compressing(), _Compressing(returns_true=True)):
+        fastpersist.save(state, stream)
+        assert bytes(stream.data) == ref
+
+
+def test_a_non_blocking_raw_stream_that_takes_nothing_is_an_error():
+    class WouldBlock(io.RawIOBase):
+        def writable(self):
+            return True
+
+        def write(self, b):
+            return None
+
+    with pytest.raises(BlockingIOError):
+        fastpersist.save({"w": torch.ones(3)}, WouldBlock())
+
+
+def test_storages_off_the_cpu_are_written_from_a_host_copy_held_through_the_write():
+    """A device storage reaches a stream as a host copy (storage.cpu()), which
+    must live until its bytes are written and checksummed. Stood in for by a
+    storage whose device says "cuda" and whose cpu() returns a new copy."""
+    import zlib
+
+    class Device:
+        type = "cuda"
+
+    class DeviceStorage:
+        def __init__(self, real):
+            self.real, self.device = real, Device()
+
+        def nbytes(self):
+            return self.real.nbytes()
+
+        def cpu(self):
+            return torch.UntypedStorage(self.real.nbytes()).copy_(self.real)
+
+    for n in (100, 4096, 8 << 20):
+        values = (torch.arange(n) % 251).to(torch.uint8)
+        expected = values.numpy().tobytes()
+        plan = torch_format.CheckpointPlan(
+            "archive", [torch_format.RecordSource("data/0", n, storage=DeviceStorage(values.untyped_storage()))], 64, True)
+        buffer = io.BytesIO()
+        torch_format.write_plan(plan, torch_format.StreamSink(buffer))
+        start = len(plan.records[0].header)
+        assert buffer.getvalue()[start:start + n] == expected, n
+        assert plan.records[0].layout.crc == zlib.crc32(expected), n
