@@ -364,7 +364,7 @@ class FastPersistReader(_CheckpointFolder, StorageReader):
         (or one larger item) and copied out."""
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            with reading_engine(path, opts) as (engine, direct_fd):
+            with reading_engine(path, opts, 0, fd) as (engine, direct_fd):
                 large = [it for it in items if it.type != LoadItemType.BYTE_IO and self._length(it) >= _DIRECT_MIN]
                 small = [it for it in items if not (it.type != LoadItemType.BYTE_IO and self._length(it) >= _DIRECT_MIN)]
                 direct, staged = self._plan_direct(path, large, planner, fd)

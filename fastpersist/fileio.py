@@ -42,12 +42,35 @@ def same_file(a: os.stat_result, b: os.stat_result) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
+def open_direct_of(fd: int, path: str, flags: int) -> int:
+    """An O_DIRECT descriptor of the file ``fd`` is open on (-1 where refused),
+    not of whatever ``path`` names by now: a load whose file a concurrent
+    save renames a new checkpoint over would otherwise read the new file's
+    bytes at the old index's offsets. Opened through /proc/self/fd (the
+    open file itself, renamed or deleted); without /proc, by path, and -1
+    (reads through ``fd``) where the name names another file by then."""
+    try:
+        return open_direct(f"/proc/self/fd/{fd}", flags, same_as=fd)
+    except (FileNotFoundError, PermissionError):
+        pass  # no /proc here
+    try:
+        return open_direct(path, flags, same_as=fd)
+    except OSError as exc:
+        if exc.errno != errno.EEXIST:
+            raise
+        return -1
+
+
 @contextlib.contextmanager
-def reading_engine(path: str, options: Options, nbytes: int = 0):
+def reading_engine(path: str, options: Options, nbytes: int = 0, fd: int = -1):
     """An engine from the pool (for a file of nbytes, where known: see
-    _engine.acquire) and an O_DIRECT descriptor for path (-1 where refused
-    or not wanted), returned to the pool and closed afterwards."""
-    direct_fd = open_direct(path, os.O_RDONLY) if options.direct else -1
+    _engine.acquire) and an O_DIRECT descriptor for the file (-1 where
+    refused or not wanted): of the file ``fd`` is open on where given (see
+    open_direct_of), else of path; returned to the pool and closed afterwards."""
+    if not options.direct:
+        direct_fd = -1
+    else:
+        direct_fd = open_direct_of(fd, path, os.O_RDONLY) if fd >= 0 else open_direct(path, os.O_RDONLY)
     try:
         engine = _engine.acquire(options, nbytes)
         try:

@@ -121,7 +121,8 @@ def load(f, map_location=None, pickle_module=None, *, weights_only: Optional[boo
     # The file first: legacy and TorchScript files go to torch.load before
     # anything below could warn twice.
     with gc_pause.paused():  # the index: a few objects per record
-        image = _CheckpointImage.open(path, current_options())
+        # an open file's own descriptor (a copy): its name may name another file by now
+        image = _CheckpointImage.open(path, current_options(), None if source is f else os.dup(f.fileno()))
     if image is None:  # legacy format, TorchScript or compressed records: torch's own path
         return delegate()
     with image:
@@ -166,7 +167,7 @@ def load(f, map_location=None, pickle_module=None, *, weights_only: Optional[boo
             if verify:
                 image.verify_records({})
             reader = TorchArchiveReader(image.index, image.read_at, None, path, image.read_file_into)
-            return _unpickle(reader, path, map_location, weights_only, pickle_module, load_args, pickle_load_args)
+            return _unpickle(reader, image.fd, map_location, weights_only, pickle_module, load_args, pickle_load_args)
         plain = not verify and _plain_state_may_apply(image.index.has_checksums, weights_only, pickle_module,
                                                       pickle_load_args)
         if plain:
@@ -200,27 +201,31 @@ def load(f, map_location=None, pickle_module=None, *, weights_only: Optional[boo
             image.index.resolve(image.read_at)
         if verify:
             image.verify()
-        return _unpickle(reader, path, map_location, weights_only, pickle_module, load_args, pickle_load_args)
+        return _unpickle(reader, image.fd, map_location, weights_only, pickle_module, load_args, pickle_load_args)
 
 
-def _unpickle(reader, path: str, map_location, weights_only: bool, pickle_module, load_args: dict,
+def _unpickle(reader, fd: int, map_location, weights_only: bool, pickle_module, load_args: dict,
               pickle_load_args: dict):
-    """torch's own unpickling of the checkpoint reader stands in for."""
+    """torch's own unpickling of the checkpoint reader stands in for (of
+    the file open on fd)."""
     try:
         if weights_only:
             return _torch_api.unpickle_weights_only(reader, map_location, **load_args)
         return _torch_api.unpickle_from(reader, map_location, pickle_module, **load_args)
-    except pickle.UnpicklingError:
+    except pickle.UnpicklingError as refusal:
         if not weights_only:
             raise
         # torch.load words weights_only refusals with a helper private to
         # it; let it refuse the file itself so the error is word for word
-        # the same (it stops at the same global, before loading tensors).
-        # Its warnings (an unusual pickle protocol) were given once already.
-        with warnings.catch_warnings():
+        # the same (it stops at the same global, before loading tensors):
+        # the file read (a copy of its descriptor), not whatever its name
+        # names by now. Its warnings (an unusual pickle protocol) were given
+        # once already.
+        with warnings.catch_warnings(), open(os.dup(fd), "rb") as same_file:
             warnings.simplefilter("ignore")
-            return _torch_api.original_load()(path, map_location, None, weights_only=True, mmap=False,
-                                              **pickle_load_args)
+            _torch_api.original_load()(same_file, map_location, None, weights_only=True, mmap=False,
+                                       **pickle_load_args)
+        raise refusal  # torch accepted what it refused here: never hand back another file's objects
 
 
 _NOT_LOADED = object()
@@ -308,9 +313,9 @@ def _load_through_buffers(image: "_CheckpointImage", map_location, weights_only:
 
     image.prefetch_local_headers()
     reader = _DeviceTargetReader(image.index, image.read_at, source=image.path)
-    result = _unpickle(reader, image.path, restore, weights_only, pickle_module, load_args, pickle_load_args)
+    result = _unpickle(reader, image.fd, restore, weights_only, pickle_module, load_args, pickle_load_args)
     try:
-        with reading_engine(image.path, image.options, image.size) as (engine, direct_fd):
+        with reading_engine(image.path, image.options, image.size, image.fd) as (engine, direct_fd):
             crcs = device_io.read_into(engine, direct_fd, image.fd, image.path, pieces, checksums=verify,
                                       transfer=image.options.transfer,
                                       allow_compat=image.options.allow_gds_compat)
@@ -349,7 +354,7 @@ def _path_of_file_object(f) -> Optional[str]:
     (their unflushed bytes) are the object's own to read."""
     if type(f).__name__ == "LocalFileOpener" and type(f).__module__ == "fsspec.implementations.local":
         f = getattr(f, "f", None)
-    raw = getattr(f, "raw", f) if isinstance(f, io.BufferedReader) else f
+    raw = f.raw if type(f) is io.BufferedReader else f  # exact types: a subclass may read otherwise
     if type(raw) is not io.FileIO:
         return None
     try:
@@ -380,9 +385,12 @@ class _CheckpointImage:
         self._storage_made = False
 
     @classmethod
-    def open(cls, path: str, options: Options) -> Optional["_CheckpointImage"]:
-        """None where torch.load must handle the file itself."""
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    def open(cls, path: str, options: Options, fd: Optional[int] = None) -> Optional["_CheckpointImage"]:
+        """None where torch.load must handle the file itself. fd: a
+        descriptor of the file already open (the image owns it), else path
+        is opened."""
+        if fd is None:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             size = os.fstat(fd).st_size
             if size == 0:
@@ -562,7 +570,7 @@ class _CheckpointImage:
             if started is not None:
                 started.set()
             return read_extents_through_page_cache(self.fd, self.path, extents, checksums)
-        with reading_engine(self.path, self.options, self.size) as (engine, direct_fd):
+        with reading_engine(self.path, self.options, self.size, self.fd) as (engine, direct_fd):
             if started is not None:
                 started.set()
             return read_extents(engine, direct_fd, self.fd, self.path, extents, checksums)
@@ -1053,7 +1061,7 @@ class _DataAhead:
         # the pickle, torch's small records and the local headers first: reads queued after the data's wait for it
         image.prefetch_pickle()
         image.prefetch_local_headers()
-        context = reading_engine(image.path, image.options, image.size)
+        context = reading_engine(image.path, image.options, image.size, image.fd)
         engine, direct_fd = context.__enter__()
         try:
             return cls(device_io.PullRead(engine, direct_fd, image.fd, image.path, start, end), context)
@@ -1273,7 +1281,7 @@ class _Plan:
         checksums."""
         try:
             if through_buffers:
-                with reading_engine(image.path, image.options, image.size) as (engine, direct_fd):
+                with reading_engine(image.path, image.options, image.size, image.fd) as (engine, direct_fd):
                     return device_io.read_into(engine, direct_fd, image.fd, image.path, extents, checksums,
                                               transfer=image.options.transfer,
                                               allow_compat=image.options.allow_gds_compat)

@@ -425,7 +425,7 @@ def load_file(filename, device="cpu", *, backend: Optional[str] = None, verify: 
         pieces = [device_io.Piece(header.data_start + e.begin, e.nbytes, device_io.byte_view(out[k].untyped_storage()))
                   for k, e in header.entries.items() if e.nbytes]
         try:
-            with reading_engine(path, opts, size) as (engine, direct_fd):
+            with reading_engine(path, opts, size, fd) as (engine, direct_fd):
                 device_io.read_into(engine, direct_fd, fd, path, pieces, transfer=opts.transfer,
                                     allow_compat=opts.allow_gds_compat)
         except EOFError:
@@ -604,7 +604,7 @@ class safe_open:  # noqa: N801 - safetensors' name
                 out.reshape(-1).view(torch.uint8).copy_(byte_view)
             else:
                 piece = device_io.Piece(offset, nbytes, device_io.byte_view(out.untyped_storage()))
-                with self._descriptor() as fd, reading_engine(self.path, opts, nbytes) as (engine, direct_fd):
+                with self._descriptor() as fd, reading_engine(self.path, opts, nbytes, fd) as (engine, direct_fd):
                     device_io.read_into(engine, direct_fd, fd, self.path, [piece], transfer=opts.transfer,
                                         allow_compat=opts.allow_gds_compat)
         except EOFError:
@@ -767,7 +767,7 @@ def _read_span(fd: int, path: str, offset: int, nbytes: int, opts):
     if nbytes < _SMALL_READ or (cached_fraction(fd, offset + nbytes) or 0.0) >= 0.9:
         read_extents_through_page_cache(fd, path, extents, False)
     else:
-        with reading_engine(path, opts, nbytes) as (engine, direct_fd):
+        with reading_engine(path, opts, nbytes, fd) as (engine, direct_fd):
             read_extents(engine, direct_fd, fd, path, extents, False)
     return owner
 

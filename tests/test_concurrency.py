@@ -384,3 +384,83 @@ def test_writer_opened_in_parent_refuses_to_write_in_child(folder, configure, en
     writer.write(last)
     writer.close()
     assert path.read_bytes() == first + last
+
+
+# ---------------------------------------------------------------------------
+# a checkpoint replaced (a concurrent atomic save renames a new one over it) while it is read
+
+
+@pytest.fixture
+def replaced_at_the_direct_open(folder, monkeypatch):
+    """latest.pt holds ones; the moment a load opens its O_DIRECT descriptor,
+    a checkpoint of sevens of the same layout is renamed over the name, as a
+    concurrent save lands. The engine reads (SMALL_LOAD_BYTES 0: as for a
+    large file)."""
+    from fastpersist import fileio
+    from fastpersist.patching import original_save
+
+    load_module = importlib.import_module("fastpersist.load")
+    monkeypatch.setattr(load_module, "SMALL_LOAD_BYTES", 0)
+    latest, incoming = folder / "latest.pt", folder / "incoming.pt"
+    original_save()({"w": torch.ones(300_000)}, latest)
+    original_save()({"w": torch.full((300_000,), 7.0)}, incoming)
+    real = fileio.open_direct
+
+    def landing_meanwhile(path, flags, same_as=-1):
+        if incoming.exists():
+            os.rename(incoming, latest)
+        return real(path, flags, same_as)
+
+    monkeypatch.setattr(fileio, "open_direct", landing_meanwhile)
+    return latest
+
+
+def test_a_load_reads_the_file_it_opened_though_a_save_replaces_it_meanwhile(replaced_at_the_direct_open):
+    got = fastpersist.load(replaced_at_the_direct_open)["w"]
+    assert not (replaced_at_the_direct_open.parent / "incoming.pt").exists()  # the rename happened mid-load
+    assert torch.equal(got, torch.ones(300_000))  # the opened file's tensor, not the new file's bytes
+
+
+def test_load_into_reads_the_file_it_opened_though_a_save_replaces_it_meanwhile(replaced_at_the_direct_open):
+    target = {"w": torch.zeros(300_000)}
+    fastpersist.load_into(target, replaced_at_the_direct_open)
+    assert not (replaced_at_the_direct_open.parent / "incoming.pt").exists()
+    assert torch.equal(target["w"], torch.ones(300_000))
+
+
+def test_a_direct_descriptor_reaches_the_open_file_or_none(folder, monkeypatch):
+    """open_direct_of: through /proc/self/fd, the file the descriptor is open
+    on; without /proc, by path where the name still names it, else -1."""
+    from fastpersist import fileio
+
+    path = folder / "a.bin"
+    path.write_bytes(b"A" * 8192)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.rename(path, folder / "a-old.bin")
+        path.write_bytes(b"B" * 8192)  # another file at the name
+        direct = fileio.open_direct_of(fd, str(path), os.O_RDONLY)
+        if direct < 0:
+            pytest.skip("this filesystem refuses O_DIRECT")
+        try:
+            assert fileio.same_file(os.fstat(direct), os.fstat(fd))
+        finally:
+            os.close(direct)
+        real = fileio.open_direct
+
+        def no_proc(p, flags, same_as=-1):
+            if p.startswith("/proc/"):
+                raise FileNotFoundError(p)
+            return real(p, flags, same_as)
+
+        monkeypatch.setattr(fileio, "open_direct", no_proc)
+        assert fileio.open_direct_of(fd, str(path), os.O_RDONLY) == -1  # the name names another file now
+        fd2 = os.open(path, os.O_RDONLY)
+        try:
+            direct = fileio.open_direct_of(fd2, str(path), os.O_RDONLY)
+            assert direct >= 0 and fileio.same_file(os.fstat(direct), os.fstat(fd2))
+            os.close(direct)
+        finally:
+            os.close(fd2)
+    finally:
+        os.close(fd)

@@ -25,8 +25,8 @@ def routes(monkeypatch):
     seen = {"fastpersist": [], "original": []}
     real_open = load_module._CheckpointImage.open.__func__
     monkeypatch.setattr(load_module._CheckpointImage, "open",
-                        classmethod(lambda cls, path, options: seen["fastpersist"].append(path)
-                                    or real_open(cls, path, options)))
+                        classmethod(lambda cls, path, options, fd=None: seen["fastpersist"].append(path)
+                                    or real_open(cls, path, options, fd)))
     real_original = fastpersist._torch_api._original_load
     monkeypatch.setattr(fastpersist._torch_api, "_original_load",
                         lambda *a, **k: seen["original"].append(a[0]) or real_original(*a, **k))
@@ -113,3 +113,62 @@ def test_verify_reads_an_open_file_and_finds_a_flipped_byte(checkpoint, tmp_path
     (tmp_path / "bad.pt").write_bytes(bytes(data))
     with open(tmp_path / "bad.pt", "rb") as f, pytest.raises(fastpersist.CheckpointError):
         fastpersist.load(f, weights_only=False, verify=True)
+
+
+def test_a_buffered_reader_of_another_class_is_read_by_torch(checkpoint, routes):
+    """A subclass may read otherwise (decrypt, count): only the object reads it."""
+    obj, path = checkpoint
+
+    class Counting(io.BufferedReader):
+        reads = 0
+
+        def read(self, *args):
+            Counting.reads += 1
+            return super().read(*args)
+
+    with Counting(io.FileIO(path, "rb")) as f:
+        assert_same(fastpersist.load(f, weights_only=False), obj)
+    assert routes["fastpersist"] == [] and len(routes["original"]) == 1 and Counting.reads > 0
+
+
+@pytest.fixture
+def renamed_over_after_the_check(monkeypatch, tmp_path):
+    """Once fastpersist has matched a file object to its name, another
+    checkpoint is renamed over that name (a concurrent atomic save)."""
+    incoming = tmp_path / "incoming.pt"
+    original_save()({"w": torch.full((4,), 2.0)}, incoming)
+    real = load_module._path_of_file_object
+
+    def matched_then_replaced(f):
+        path = real(f)
+        if path is not None and incoming.exists():
+            os.replace(incoming, path)
+        return path
+
+    monkeypatch.setattr(load_module, "_path_of_file_object", matched_then_replaced)
+    return incoming
+
+
+def test_an_open_file_is_read_from_its_descriptor_though_its_name_is_replaced(tmp_path, renamed_over_after_the_check):
+    path = tmp_path / "latest.pt"
+    original_save()({"w": torch.ones(4)}, path)
+    with open(path, "rb") as f:
+        got = fastpersist.load(f)
+    assert not renamed_over_after_the_check.exists()  # the rename happened
+    assert torch.equal(got["w"], torch.ones(4))
+
+
+def test_a_refused_file_stays_refused_though_its_name_is_replaced(tmp_path, renamed_over_after_the_check):
+    import fractions
+
+    path = tmp_path / "latest.pt"
+    original_save()({"w": torch.ones(4), "f": fractions.Fraction(1, 3)}, path)
+    with open(path, "rb") as f, pytest.raises(pickle_error()):
+        fastpersist.load(f, weights_only=True)
+    assert not renamed_over_after_the_check.exists()
+
+
+def pickle_error():
+    import pickle
+
+    return pickle.UnpicklingError
