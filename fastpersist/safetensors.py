@@ -34,6 +34,7 @@ from typing import Dict, Optional
 
 import torch
 
+from .fileio import same_file
 from .options import current_options
 from .torch_format import CheckpointError
 
@@ -510,7 +511,8 @@ class safe_open:  # noqa: N801 - safetensors' name
         self._lock = threading.Lock()
         self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            self._size = os.fstat(self._fd).st_size
+            self._opened = os.fstat(self._fd)  # which file: a slice read after close() opens the name again
+            self._size = self._opened.st_size
             self._header = Header.read(self._fd, self.path, self._size)
         except BaseException:
             os.close(self._fd)
@@ -575,7 +577,12 @@ class safe_open:  # noqa: N801 - safetensors' name
         again._read_ahead = False  # it reads one slice and is closed
         again._lock = threading.Lock()
         again._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-        again._size = self._size
+        if not same_file(os.fstat(again._fd), self._opened):
+            os.close(again._fd)
+            again._fd = -1
+            raise SafetensorsFileError(f"{self.path}: the file was replaced after it was opened (a slice taken "
+                                       "before close() reads the file it was taken from); open it again")
+        again._opened, again._size = self._opened, self._size
         return again
 
     def _read(self, entry: _Entry, first: int, stop: int) -> torch.Tensor:

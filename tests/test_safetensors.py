@@ -286,6 +286,20 @@ def test_a_slice_read_while_another_thread_closes_the_file_reads_it_again(tmp_pa
     assert f._fd < 0
 
 
+def test_a_slice_read_after_close_refuses_a_file_replaced_meanwhile(tmp_path):
+    """After close(), a slice opens the name again: where another file has been
+    renamed over it, the slice refuses instead of reading that file's bytes."""
+    path = tmp_path / "r.safetensors"
+    fst.save_file({"t": torch.arange(100.0)}, path)
+    with fst.safe_open(path) as f:
+        rows = f.get_slice("t")
+    assert torch.equal(rows[5:10], torch.arange(5.0, 10.0))  # the same file: read again by its name
+    fst.save_file({"t": torch.zeros(100)}, tmp_path / "new.safetensors")
+    os.replace(tmp_path / "new.safetensors", path)
+    with pytest.raises(SafetensorsFileError, match="replaced after it was opened"):
+        rows[5:10]
+
+
 def test_a_device_read_keeps_its_own_descriptor_while_another_thread_closes_the_file(tmp_path):
     """A read onto a GPU runs outside the lock, on a descriptor of its own: a
     close() meanwhile cannot give the number to another file under the read."""
