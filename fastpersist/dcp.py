@@ -278,9 +278,9 @@ class FastPersistWriter(_CheckpointFolder, StorageWriter, AsyncStager):
             tensor = planner.resolve_data(item).detach()
             if tensor.untyped_storage().nbytes() != tensor.nbytes:
                 tensor = tensor.clone()  # a view: save its own bytes, not the whole storage (as DCP does)
-            # torch.save to a file object names its records "archive/..."
-            pieces.append((item, torch_format.CheckpointPlan.for_path(
-                tensor, "archive", pickle, _torch_api.DEFAULT_PROTOCOL, False)))
+            # what torch.save writes to a file object (DCP's own writer saves into one)
+            pieces.append((item, torch_format.CheckpointPlan.for_stream(
+                tensor, pickle, _torch_api.DEFAULT_PROTOCOL, False)))
         return pieces
 
 
