@@ -4,8 +4,8 @@ data) and written through the object's write(), from where it stands."""
 import importlib
 import io
 import os
+import re
 import struct
-import pickle
 import zipfile
 
 import pytest
@@ -174,9 +174,8 @@ def test_a_failed_pickling_writes_nothing_and_raises_torchs_error():
 def test_no_write_method_is_torchs_error():
     with pytest.raises(AttributeError) as theirs:
         original_save()({"a": 1}, object())
-    with pytest.raises(AttributeError, match=str(theirs.value)[:20]):
+    with pytest.raises(AttributeError, match=re.escape(str(theirs.value))):
         fastpersist.save({"a": 1}, object())
-    assert pickle  # the module torch's default pickle_module is
 
 
 class _Compressing:
