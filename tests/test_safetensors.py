@@ -202,6 +202,14 @@ def test_a_slice_of_rows_reads_from_those_rows_on_and_at_most_a_window(tmp_path,
         assert [(o, n) for _, o, n in reads] == [(f._header.data_start, path.stat().st_size - f._header.data_start)]
 
 
+def read_each(f, tensors: dict, names) -> int:
+    """Reads the named tensors from an open safe_open in that order, each equal
+    to the one saved; returns the size of the file's data section."""
+    for name in names:
+        assert torch.equal(f.get_tensor(name), tensors[name]), name
+    return os.path.getsize(f.path) - f._header.data_start
+
+
 def test_names_in_order_over_dtype_groups_read_each_byte_once(tmp_path, monkeypatch):
     """safetensors orders a file by dtype, then name: asking for names in
     order (as transformers does) alternates between the groups. Each group
@@ -214,9 +222,7 @@ def test_names_in_order_over_dtype_groups_read_each_byte_once(tmp_path, monkeypa
     fst.save_file(tensors, path)
     reads = windows_of(monkeypatch, 64 << 10)
     with fst.safe_open(path) as f:
-        for name in f.keys():
-            assert torch.equal(f.get_tensor(name), tensors[name]), name
-        data = path.stat().st_size - f._header.data_start
+        data = read_each(f, tensors, f.keys())
     assert sum(n for _, _, n in reads) <= data + (64 << 10), reads
     assert len(reads) <= data // (64 << 10) + 2, reads
 
@@ -232,10 +238,8 @@ def test_a_large_files_next_window_is_read_ahead_on_a_thread(tmp_path, monkeypat
     fst.save_file(tensors, path)
     reads = windows_of(monkeypatch, 64 << 10)
     with fst.safe_open(path) as f:
-        for name in f.keys():
-            assert torch.equal(f.get_tensor(name), tensors[name]), name
+        data = read_each(f, tensors, f.keys())
         starts = {f._header.data_start + e.begin for e in f._header.entries.values()}
-        data = path.stat().st_size - f._header.data_start
     assert reads[0][0] == threading.current_thread().name and len(reads) > 3
     assert all(who == "fastpersist-safetensors-ahead" for who, _, _ in reads[1:]), reads
     assert all(offset in starts for _, offset, _ in reads), "a window begins at a tensor"
@@ -255,9 +259,7 @@ def test_no_read_ahead_of_a_tensor_larger_than_a_window_and_nothing_kept_after_c
     fst.save_file(tensors, path)
     reads = windows_of(monkeypatch, 256 << 10)
     with fst.safe_open(path) as f:
-        for name in f.offset_keys():
-            assert torch.equal(f.get_tensor(name), tensors[name]), name
-        data = path.stat().st_size - f._header.data_start
+        data = read_each(f, tensors, f.offset_keys())
         late = f.get_slice("b")
     assert sum(n for _, _, n in reads) <= data + (256 << 10), reads  # at most the window read past "a" into "b"
     assert f._windows == [] and f._ahead is None
