@@ -807,6 +807,7 @@ struct copy_out {
     const struct fp_extent *ext;
     size_t count, cur;        /* cur: first extent not yet wholly copied */
     uint32_t *crcs;
+    uint64_t *progress;       /* where given: the offset below which every extent is copied */
     int64_t copied;
     uint64_t start[FP_MAX_NUM_BUFFERS], valid_end[FP_MAX_NUM_BUFFERS]; /* the chunk in each buffer */
     int threaded;
@@ -846,6 +847,8 @@ static void copy_buffer(struct copy_out *c, size_t k)
         }
         c->copied += (int64_t)len;
     }
+    if (c->progress) /* buffers are copied out in file order: everything below valid_end is in place */
+        __atomic_store_n(c->progress, valid_end, __ATOMIC_RELEASE);
 }
 
 static void *copy_out_main(void *arg)
@@ -918,6 +921,13 @@ static void copy_out_finish(struct copy_out *c, int failed)
 int64_t fp_read_extents(struct fp_engine *e, int direct_fd, int buffered_fd,
                         const struct fp_extent *ext, size_t count, uint32_t *crcs)
 {
+    return fp_read_extents_progress(e, direct_fd, buffered_fd, ext, count, crcs, NULL);
+}
+
+int64_t fp_read_extents_progress(struct fp_engine *e, int direct_fd, int buffered_fd,
+                                 const struct fp_extent *ext, size_t count, uint32_t *crcs,
+                                 uint64_t *progress)
+{
     uint64_t total = 0;
     for (size_t i = 0; i < count; i++) {
         if (i > 0 && ext[i].offset < ext[i - 1].offset + ext[i - 1].length)
@@ -929,7 +939,7 @@ int64_t fp_read_extents(struct fp_engine *e, int direct_fd, int buffered_fd,
         return rc;
     e->read_eof = UINT64_MAX;
     size_t nb = (size_t)e->cfg.num_buffers;
-    struct copy_out c = {.e = e, .ext = ext, .count = count, .crcs = crcs};
+    struct copy_out c = {.e = e, .ext = ext, .count = count, .crcs = crcs, .progress = progress};
     if (total >= 2 * (uint64_t)e->cfg.buffer_size) { /* else there is nothing to overlap */
         pthread_mutex_init(&c.lock, NULL);
         pthread_cond_init(&c.cond, NULL);

@@ -165,6 +165,18 @@ int64_t fp_read_extents(struct fp_engine *e, int direct_fd, int buffered_fd,
                         const struct fp_extent *extents, size_t count, uint32_t *crcs);
 
 /*
+ * fp_read_extents, telling another thread how far it has got while it runs:
+ * each time a buffer's bytes have been copied out, *progress is set (an
+ * atomic store with release order) to the file offset below which every
+ * extent's bytes are in place. A thread that reads *progress (with acquire
+ * order) may use the bytes of each extent that ends at or below it before
+ * the call returns. progress may be NULL.
+ */
+int64_t fp_read_extents_progress(struct fp_engine *e, int direct_fd, int buffered_fd,
+                                 const struct fp_extent *extents, size_t count, uint32_t *crcs,
+                                 uint64_t *progress);
+
+/*
  * Pull read stream, for a consumer that takes the bytes out of the engine's
  * buffers itself (a host-to-device copy): the file range [offset, offset +
  * length) is read in file order into the buffers, whole buffers in flight

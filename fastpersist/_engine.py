@@ -12,6 +12,7 @@ An engine whose operation failed is never handed out again.
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import functools
 import logging
@@ -301,9 +302,12 @@ class Engine:
         self._check(lib.fp_read_end(self._handle), "read")
 
     def read_extents(self, direct_fd: int, buffered_fd: int, extents, path: Optional[str] = None,
-                     *, checksums: bool = False):
+                     *, checksums: bool = False, progress=None):
         """Reads (address, offset, length) extents, sorted by offset, in one pass.
-        Returns bytes copied and, with checksums, each extent's CRC-32."""
+        Returns bytes copied and, with checksums, each extent's CRC-32.
+        progress: a ctypes.c_uint64 the engine sets, while it reads, to the
+        file offset below which every extent's bytes are in place (another
+        thread may use them before the call returns)."""
         lib, ffi = _load()
         self._path = path
         count = len(extents)
@@ -313,7 +317,9 @@ class Engine:
             table[i].offset = offset
             table[i].length = length
         crcs = ffi.new("uint32_t[]", count) if checksums else ffi.NULL
-        copied = self._check(lib.fp_read_extents(self._handle, direct_fd, buffered_fd, table, count, crcs), "read")
+        where = ffi.NULL if progress is None else ffi.cast("uint64_t *", ctypes.addressof(progress))
+        copied = self._check(lib.fp_read_extents_progress(self._handle, direct_fd, buffered_fd, table, count, crcs,
+                                                          where), "read")
         return copied, (list(crcs) if checksums else None)
 
 

@@ -298,17 +298,19 @@ def _libc():
     return libc
 
 
-def cached_fraction(fd: int, size: int) -> "float | None":
-    """The fraction of an open file's first size bytes in the page cache
-    (mincore over a read-only shared mapping of them, made and unmade here),
-    or None where it cannot be told."""
+def cached_fraction(fd: int, size: int, offset: int = 0) -> "float | None":
+    """The fraction of an open file's size bytes from offset (its first
+    ones by default) in the page cache (mincore over a read-only shared
+    mapping of them, made and unmade here), or None where it cannot be told."""
     import ctypes
     import mmap
 
+    size += offset % mmap.PAGESIZE  # a mapping starts on a page
+    offset -= offset % mmap.PAGESIZE
     if size <= 0:
         return 0.0
     libc = _libc()
-    address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset)
     if address in (None, ctypes.c_void_p(-1).value):
         return None
     try:

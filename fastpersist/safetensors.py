@@ -24,8 +24,8 @@ the problem.
 """
 from __future__ import annotations
 
-import bisect
 import contextlib
+import ctypes
 import json
 import os
 import struct
@@ -487,7 +487,19 @@ class safe_open:  # noqa: N801 - safetensors' name
     opened; each tensor when asked for (the rows a slice of its first
     dimension needs, where that is all it needs). Other frameworks than
     torch ("np", "flax", ...) are handed to safetensors' own safe_open;
-    ``backend`` is accepted and ignored (the engine reads)."""
+    ``backend`` is accepted and ignored (the engine reads).
+
+    On the CPU the file is read in chunks: runs of whole tensors of about
+    CHUNK bytes (a larger tensor alone), each read at once, at most once,
+    when a tensor of it is first asked for whole; the chunks after the one
+    asked for last are read ahead on a thread, within a budget (AHEAD). A
+    tensor asked for whole the first time is a view of its chunk with a
+    storage of its own; the safe_open lets go of a chunk once each of its
+    tensors has been handed out, so its memory lives as long as those
+    tensors do, and no longer. Rows of a tensor (a slice), and a tensor
+    asked for again, are copies (safetensors' tensors share no memory),
+    read from the file where their chunk is not held: a slice never reads
+    the chunk around it."""
 
     def __new__(cls, filename, framework: str = "pt", device="cpu", backend: Optional[str] = None):
         if framework not in _TORCH_FRAMEWORKS:  # numpy, flax, ...: safetensors' own, untouched
@@ -503,12 +515,7 @@ class safe_open:  # noqa: N801 - safetensors' name
     def __init__(self, filename, framework: str = "pt", device="cpu", backend: Optional[str] = None):
         self.path = os.fspath(filename)
         self.device = _device_of(device)
-        self._windows: list = []  # the _Windows read last, the one used last at the end
-        self._ahead: Optional[_WindowAhead] = None  # the window after the last one read, being read
-        self._starts: Optional[list] = None  # where each tensor's bytes start in the file, in order
-        self._ends: Optional[list] = None  # and end
-        self._read_ahead = READ_AHEAD
-        self._lock = threading.Lock()
+        self._init_reading(READ_AHEAD)
         self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             self._opened = os.fstat(self._fd)  # which file: a slice read after close() opens the name again
@@ -519,6 +526,20 @@ class safe_open:  # noqa: N801 - safetensors' name
             self._fd = -1  # closed: __del__ must not close the number again (another file may have it by then)
             raise
 
+    def _init_reading(self, read_ahead: bool) -> None:
+        self._lock = threading.Lock()  # transformers materializes a shard's tensors from several threads
+        self._changed = threading.Condition(self._lock)  # a chunk's read ended, or the file was closed
+        self._chunks: Optional[list] = None  # the file's _Chunks in order, made at the first tensor read
+        self._chunk_of: Optional[dict] = None  # tensor name -> index of its chunk
+        self._handed: set = set()  # names handed out whole, as views
+        self._handed_bytes = 0  # their bytes
+        self._held = 0  # bytes of chunks being read, or read and not yet wholly handed out
+        self._last = 0  # the chunk a tensor was last asked for from
+        self._read_ahead = read_ahead
+        self._wanted: list = []  # chunks asked for, for the reader to read first
+        self._reader: Optional[threading.Thread] = None  # reading chunks, while it runs
+        self._closing = False
+
     def __enter__(self) -> "safe_open":
         return self
 
@@ -526,14 +547,18 @@ class safe_open:  # noqa: N801 - safetensors' name
         self.close()
 
     def close(self) -> None:
-        with self._lock:  # not while a window is being read or handed out
-            ahead, self._ahead = self._ahead, None
-            if ahead is not None:
-                ahead.wait()  # it reads from the descriptor closed next
-            self._windows, self._starts = [], None  # the tensors handed out keep their own windows alive
+        with self._lock:
+            self._closing = True  # the reader stops after the chunk it is reading
+            reader = self._reader
+        if reader is not None and reader is not threading.current_thread():
+            reader.join()
+        with self._lock:
+            self._chunks, self._wanted = None, []  # the tensors handed out keep their own chunks alive
+            self._held = 0
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
+            self._changed.notify_all()  # threads waiting for a chunk see the file closed
 
     def __del__(self):
         try:
@@ -572,10 +597,8 @@ class safe_open:  # noqa: N801 - safetensors' name
         """This file, open again (a slice indexed after its file was closed,
         as safetensors allows)."""
         again = safe_open.__new__(safe_open, self.path)
-        again.path, again.device, again._header, again._windows = self.path, self.device, self._header, []
-        again._ahead, again._starts = None, None
-        again._read_ahead = False  # it reads one slice and is closed
-        again._lock = threading.Lock()
+        again.path, again.device, again._header = self.path, self.device, self._header
+        again._init_reading(False)  # it reads one slice and is closed
         again._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         if not same_file(os.fstat(again._fd), self._opened):
             os.close(again._fd)
@@ -594,29 +617,27 @@ class safe_open:  # noqa: N801 - safetensors' name
         rows = entry.shape[0] if entry.shape else 1
         row_bytes = entry.nbytes // rows if rows else 0
         shape = (stop - first,) + tuple(entry.shape[1:]) if entry.shape else ()
-        out = torch.empty(shape, dtype=entry.dtype, device=self.device)
         nbytes = (stop - first) * row_bytes
         if not nbytes:
-            return out
+            return torch.empty(shape, dtype=entry.dtype, device=self.device)
         offset = self._header.data_start + entry.begin + first * row_bytes
         opts = current_options()
         try:
             if self.device.type == "cpu":
-                # tensors are asked for one after another in file order (transformers materializes a
-                # shard so): a window of the file read at once serves the next ones as views, each
-                # byte once; bytes handed out before are copied (safetensors' tensors share nothing)
-                byte_view, shared = self._from_window(offset, nbytes, opts)
-                if offset % entry.dtype.itemsize == 0 and not shared:
+                byte_view = self._cpu_bytes(entry, offset, nbytes, first == 0 and stop == rows, opts)
+                if offset % entry.dtype.itemsize == 0:
                     return byte_view.view(entry.dtype).view(shape)
+                out = torch.empty(shape, dtype=entry.dtype)  # not at its dtype's alignment in the file
                 out.reshape(-1).view(torch.uint8).copy_(byte_view)
-            else:
-                piece = device_io.Piece(offset, nbytes, device_io.byte_view(out.untyped_storage()))
-                with self._descriptor() as fd, reading_engine(self.path, opts, nbytes, fd) as (engine, direct_fd):
-                    device_io.read_into(engine, direct_fd, fd, self.path, [piece], transfer=opts.transfer,
-                                        allow_compat=opts.allow_gds_compat)
+                return out
+            out = torch.empty(shape, dtype=entry.dtype, device=self.device)
+            piece = device_io.Piece(offset, nbytes, device_io.byte_view(out.untyped_storage()))
+            with self._descriptor() as fd, reading_engine(self.path, opts, nbytes, fd) as (engine, direct_fd):
+                device_io.read_into(engine, direct_fd, fd, self.path, [piece], transfer=opts.transfer,
+                                    allow_compat=opts.allow_gds_compat)
+            return out
         except EOFError:
             raise SafetensorsFileError(f"{self.path}: the file ended inside tensor {entry.name!r}") from None
-        return out
 
     @contextlib.contextmanager
     def _descriptor(self):
@@ -632,151 +653,283 @@ class safe_open:  # noqa: N801 - safetensors' name
         finally:
             os.close(fd)
 
-    def _from_window(self, offset: int, nbytes: int, opts):
-        """(The file's bytes [offset, offset + nbytes) as a uint8 tensor with a
-        storage of its own over a window of the file read before, whether any
-        of those bytes were handed out as a view before). Where no window kept
-        holds them, one is read (WINDOW bytes from offset, or the tensor,
-        whichever is larger; not past the file) and kept, with the last
-        WINDOWS_KEPT - 1 used last: names asked for in order walk a file whose
-        tensors are grouped by dtype (safetensors' order) group by group,
-        taking turns, and each group's window serves its next tensors."""
-        with self._lock:  # transformers materializes a shard's tensors from several threads
-            if self._fd < 0:  # closed by another thread meanwhile
-                raise SafetensorsFileError(f"{self.path}: File is closed")
-            window = next((w for w in reversed(self._windows) if w.holds(offset, nbytes)), None)
-            if window is not None and window is not self._windows[-1]:
-                self._windows.remove(window)  # the most recently used last: the least recently used goes first
-                self._windows.append(window)
-            if window is None:
-                window = self._new_window(offset, nbytes, opts)
-            return window.hand_out(offset, nbytes)
-
-    def _new_window(self, offset: int, nbytes: int, opts) -> "_Window":
-        """A window holding [offset, offset + nbytes), kept (see _from_window).
-        In a large file, the window after it is then read on a thread while
-        its tensors are handed out: it starts at the tensor the window ends
-        in, so that names asked for in order find their next window read."""
-        if self._size <= WHOLE_FILE:  # every tensor of it, in whatever order: one read
-            start, end = self._header.data_start, self._size
-            window = _Window(start, end, _read_span(self._fd, self.path, start, end - start, opts))
-            self._windows.append(window)
-            return window
-        window = None
-        ahead = self._ahead
-        # taken where it holds the bytes asked for, or is done; else it goes on (this is a jump elsewhere)
-        if ahead is not None and (ahead.start <= offset and offset + nbytes <= ahead.end or ahead.done()):
-            self._ahead = None
-            buffer = ahead.wait()  # a failed read ahead is read again below, and raises there
-            if buffer is not None:
-                read = _Window(ahead.start, ahead.end, buffer)
-                if read.holds(offset, nbytes):
-                    window = read
-                else:  # kept: names asked for in order come back to it at the next turn of dtype group
-                    self._windows = (self._windows + [read])[-WINDOWS_KEPT:]
-        if window is None:
-            start, end = offset, min(self._size, offset + max(nbytes, WINDOW))
-            window = _Window(start, end, _read_span(self._fd, self.path, start, end - start, opts))
-        self._windows = (self._windows + [window])[-WINDOWS_KEPT:]
-        found = self._tensor_at(window.end) if self._read_ahead and READ_AHEAD and self._ahead is None else None
-        if found is not None:
-            following, following_end = found
-            if following <= window.start:  # the window began inside that tensor (a slice of rows): its rest
-                following = window.end
-            elif following_end - following > WINDOW:
-                return window  # a tensor larger than a window: maybe only a slice of it is wanted
-            self._ahead = _WindowAhead(self._fd, self.path, following, min(self._size, following + WINDOW), opts)
-        return window
-
-    def _tensor_at(self, position: int) -> Optional[tuple]:
-        """(start, end) in the file of the tensor holding the byte at position
-        (the data section has no holes); None past the last one."""
-        if self._starts is None:
-            base = self._header.data_start
-            spans = [(base + e.begin, base + e.end) for e in self._header.entries.values() if e.end > e.begin]
-            self._starts, self._ends = [a for a, _ in spans], [b for _, b in spans]
-        i = bisect.bisect_right(self._starts, position) - 1
-        if position >= self._size or i < 0:
-            return None
-        return self._starts[i], self._ends[i]
-
-
-class _Window:
-    """Bytes [start, end) of the file, read at once, and the spans of them
-    handed out as views (sorted, disjoint): a span asked for again, or
-    overlapping one handed out, is copied instead (safetensors' tensors
-    share no memory)."""
-
-    __slots__ = ("start", "end", "buffer", "starts", "ends")
-
-    def __init__(self, start: int, end: int, buffer):
-        self.start, self.end, self.buffer = start, end, buffer
-        self.starts: list = []
-        self.ends: list = []
-
-    def holds(self, offset: int, nbytes: int) -> bool:
-        return self.start <= offset and offset + nbytes <= self.end
-
-    def hand_out(self, offset: int, nbytes: int):
-        """(A uint8 tensor over bytes [offset, offset + nbytes), whether any of
-        them were handed out before); the span is recorded where not."""
-        i = bisect.bisect_right(self.starts, offset)
-        shared = (i > 0 and self.ends[i - 1] > offset) or (i < len(self.starts) and self.starts[i] < offset + nbytes)
-        if not shared:
-            self.starts.insert(i, offset)
-            self.ends.insert(i, offset + nbytes)
-        return torch.frombuffer(self.buffer, dtype=torch.uint8, count=nbytes, offset=offset - self.start), shared
-
-
-class _WindowAhead:
-    """A span of the file read into new memory on a thread (_read_span)."""
-
-    def __init__(self, fd: int, path: str, start: int, end: int, opts):
-        self.start, self.end, self.buffer = start, end, None
-        self._thread = threading.Thread(target=self._read, args=(fd, path, opts), name="fastpersist-safetensors-ahead",
-                                        daemon=True)
-        self._thread.start()
-
-    def _read(self, fd: int, path: str, opts) -> None:
+    def _cpu_bytes(self, entry: _Entry, offset: int, nbytes: int, whole: bool, opts) -> torch.Tensor:
+        """The file's bytes [offset, offset + nbytes) of entry, as a uint8
+        tensor that shares memory with no other tensor handed out: a view of
+        the entry's chunk where the whole tensor is asked for the first time
+        (read by the safe_open's reader thread: see _reader_loop); else a
+        copy, from the chunk where it is read or being read, or else read
+        from the file for itself."""
+        with self._lock:
+            while True:
+                if self._fd < 0:
+                    raise SafetensorsFileError(f"{self.path}: File is closed")
+                if self._chunks is None:
+                    self._chunks, self._chunk_of = _chunks_of(self._header)
+                index = self._chunk_of[entry.name]
+                chunk = self._chunks[index]
+                view = whole and entry.name not in self._handed
+                if view:
+                    self._last = index
+                if chunk.state == _Chunk.READING and chunk.arrived():
+                    chunk.state = _Chunk.READ  # the reader's pass copied it and goes on past it
+                if chunk.state == _Chunk.READ:
+                    piece = self._hand_out(chunk, entry, offset, nbytes, view)
+                    own_read = False
+                    break
+                if chunk.state == _Chunk.UNREAD and view and not chunk.failed:
+                    if chunk not in self._wanted:
+                        self._wanted.append(chunk)
+                        self._start_reader()
+                if chunk.state == _Chunk.READING or (chunk.state == _Chunk.UNREAD and view and not chunk.failed):
+                    self._changed.wait(_POLL)  # woken when a pass ends; in between, progress is looked at
+                    continue
+                # rows, or a tensor asked for again, where the chunk is not held: its own bytes only;
+                # or a chunk whose read by the reader failed: read here, to meet its error in this thread
+                own_read = True
+                fd = os.dup(self._fd)  # read outside the lock: a close() meanwhile leaves it its file
+                if view:
+                    self._claim(chunk)
+                break
+        if not own_read:  # copied outside the lock; the piece keeps the chunk's memory alive meanwhile
+            return piece if view else piece.clone()
         try:
-            self.buffer = _read_span(fd, path, self.start, self.end - self.start, opts)
-        except BaseException:  # noqa: BLE001 - the caller reads the span again itself, and meets the error there
-            self.buffer = None
+            if view:
+                try:
+                    buffer = _read_span(fd, self.path, chunk.start, chunk.end - chunk.start, opts)
+                except BaseException as exc:
+                    with self._lock:
+                        self._unclaim(chunk)
+                    if not isinstance(exc, EOFError):
+                        raise
+                    view = False  # the file ends inside the chunk: maybe not inside this tensor
+            if not view:
+                return torch.frombuffer(_read_span(fd, self.path, offset, nbytes, opts), dtype=torch.uint8)
+        finally:
+            os.close(fd)
+        with self._lock:
+            chunk.buffer, chunk.state, chunk.failed = buffer, _Chunk.READ, False
+            self._changed.notify_all()
+            return self._hand_out(chunk, entry, offset, nbytes, True)
 
-    def done(self) -> bool:
-        return not self._thread.is_alive()
+    def _claim(self, chunk: "_Chunk") -> None:
+        """chunk is to be read (under the lock)."""
+        chunk.state = _Chunk.READING
+        self._held += chunk.end - chunk.start
 
-    def wait(self):
-        """The span's bytes (a buffer), or None where the read failed."""
-        self._thread.join()
-        return self.buffer
+    def _unclaim(self, chunk: "_Chunk") -> None:
+        """chunk's read failed: unread again (under the lock)."""
+        chunk.state, chunk.buffer, chunk.progress = _Chunk.UNREAD, None, None
+        self._held -= chunk.end - chunk.start
+        self._changed.notify_all()
+
+    def _hand_out(self, chunk: "_Chunk", entry: _Entry, offset: int, nbytes: int, view: bool) -> torch.Tensor:
+        """A uint8 tensor over bytes [offset, offset + nbytes) of a chunk read
+        (under the lock). view: the entry whole, handed out for the first
+        time; the chunk is let go of once it was the last of its tensors."""
+        piece = torch.frombuffer(chunk.buffer, dtype=torch.uint8, count=nbytes, offset=offset - chunk.start)
+        if view:
+            self._handed.add(entry.name)
+            self._handed_bytes += entry.nbytes
+            chunk.left -= entry.nbytes
+            if chunk.left == 0:
+                chunk.buffer, chunk.state = None, _Chunk.DONE
+                self._held -= chunk.end - chunk.start
+            self._start_reader()
+        return piece
+
+    def _start_reader(self) -> None:
+        """Starts the reader thread where it is not running and has a chunk to read (under the lock)."""
+        if self._reader is None and not self._closing and self._next_run(take=False):
+            self._reader = threading.Thread(target=self._reader_loop, name="fastpersist-safetensors-reader",
+                                            daemon=True)
+            self._reader.start()
+
+    def _budget(self) -> int:
+        """Bytes the reader may hold, read or being read and not handed out:
+        growing with the bytes handed out (a file opened for one tensor reads
+        one chunk past it), up to AHEAD."""
+        return min(AHEAD, CHUNK + 16 * self._handed_bytes)
+
+    def _next_run(self, take: bool) -> list:
+        """The chunks for the reader to read next in one pass (under the lock):
+        the first chunk asked for and still unread, else the one to read
+        ahead (_next_ahead), and the unread chunks after it in the file, as
+        many as the budget leaves room for. take: the chunk asked for off the
+        list; else only whether there is a run, the first chunk."""
+        first = None
+        while self._wanted and first is None:
+            chunk = self._wanted[0]
+            if chunk.state == _Chunk.UNREAD and not chunk.failed:
+                first = chunk
+                if not take:
+                    return [first]
+            self._wanted.pop(0)  # or read meanwhile, by a thread whose own read it became
+        if first is None:
+            first = self._next_ahead() if self._read_ahead else None
+            if first is None or not take:
+                return [] if first is None else [first]
+        run, size = [first], first.end - first.start
+        room = self._budget() - self._held
+        for i in range(first.index + 1, len(self._chunks) if self._read_ahead else 0):
+            chunk = self._chunks[i]
+            if chunk.state != _Chunk.UNREAD or chunk.failed or size + chunk.end - chunk.start > room:
+                break
+            run.append(chunk)
+            size += chunk.end - chunk.start
+        return run
+
+    def _next_ahead(self) -> Optional["_Chunk"]:
+        """The chunk to read ahead next (under the lock): the first unread one
+        after the chunk asked for last, going round to the file's start and
+        skipping any larger than the budget (maybe only a slice of such a
+        tensor is wanted); None where the budget is spent."""
+        budget = self._budget()
+        chunks = self._chunks
+        for i in range(self._last + 1, self._last + 1 + len(chunks)):
+            chunk = chunks[i % len(chunks)]
+            if chunk.state != _Chunk.UNREAD or chunk.failed or chunk.end - chunk.start > budget:
+                continue
+            return chunk if self._held + chunk.end - chunk.start <= budget else None
+        return None
+
+    def _reader_loop(self) -> None:
+        """Reads runs of chunks, each in one pass of the engine (whole buffers
+        in flight from start to end; a pass per chunk left the device idle
+        between them). A chunk's tensors are handed out as soon as the pass
+        has copied it (its progress), before the pass ends. Stops where
+        nothing is asked for or left to read ahead, or where a pass fails
+        (whoever waits for one of its chunks then reads it, and meets the
+        error)."""
+        while True:
+            with self._lock:
+                run = [] if self._closing or self._fd < 0 else self._next_run(take=True)
+                if not run:
+                    self._reader = None
+                    return
+                progress = ctypes.c_uint64(0)
+                for chunk in run:
+                    self._claim(chunk)
+                    chunk.buffer, chunk.progress = _new_buffer(chunk.end - chunk.start), progress
+                buffers = [chunk.buffer for chunk in run]  # alive until the pass ends, whatever is let go of
+                fd = os.dup(self._fd)
+            failed = False
+            try:
+                _read_run(fd, self.path, [(ctypes.addressof(b), c.start, c.end - c.start) for b, c in zip(buffers, run)],
+                          progress, current_options())
+            except BaseException:  # noqa: BLE001 - met again by whoever reads the chunk itself (above)
+                failed = True
+            finally:
+                os.close(fd)
+            with self._lock:
+                for chunk in run:
+                    if chunk.state == _Chunk.READING:
+                        if failed and not chunk.arrived():
+                            chunk.failed = True
+                            self._unclaim(chunk)
+                        else:
+                            chunk.state = _Chunk.READ
+                    chunk.progress = None
+                self._changed.notify_all()
+                if failed:
+                    self._reader = None
+                    return
 
 
-WINDOW = 64 << 20  # what safe_open reads at once from a large file: the tensors that follow share one read
-WINDOWS_KEPT = 4  # windows a safe_open keeps (their tensors keep them alive anyway while they live)
-READ_AHEAD = True  # a large file's next window read on a thread while the last one's tensors are handed out
-WHOLE_FILE = 4 << 30  # a file up to this size is read whole at the first tensor asked for
+class _Chunk:
+    """Tensors that follow one another in a file, read at once: bytes
+    [start, end) of the file, how many of them belong to tensors not yet
+    handed out (left), the buffer while read or being read and not wholly
+    handed out, the progress of the pass reading it, and whether the
+    reader's read of it failed."""
+
+    __slots__ = ("index", "start", "end", "left", "state", "buffer", "progress", "failed")
+    UNREAD, READING, READ, DONE = range(4)
+
+    def __init__(self, index: int, start: int, end: int):
+        self.index, self.start, self.end, self.left = index, start, end, end - start
+        self.state, self.buffer = _Chunk.UNREAD, None
+        self.progress: Optional[ctypes.c_uint64] = None
+        self.failed = False
+
+    def arrived(self) -> bool:
+        """Whether the pass reading it has copied all of it."""
+        return self.progress is not None and self.progress.value >= self.end
+
+
+def _chunks_of(header: Header) -> tuple:
+    """([_Chunk], {name: index}): the file's tensors in order, cut into runs
+    of at most CHUNK bytes (a larger tensor alone); empty tensors in none."""
+    chunks: list = []
+    index: dict = {}
+    base = header.data_start
+    for entry in sorted(header.entries.values(), key=lambda e: e.begin):
+        if not entry.nbytes:
+            continue
+        start, end = base + entry.begin, base + entry.end
+        if chunks and end - chunks[-1].start <= CHUNK:
+            chunks[-1].end = chunks[-1].end + (end - start)
+            chunks[-1].left = chunks[-1].end - chunks[-1].start
+        else:
+            chunks.append(_Chunk(len(chunks), start, end))
+        index[entry.name] = len(chunks) - 1
+    return chunks, index
+
+
+CHUNK = 64 << 20  # safe_open hands out runs of whole tensors of about this size as they arrive
+AHEAD = 2 << 30  # bytes safe_open reads ahead and holds until they are handed out, at most
+_POLL = 0.001  # seconds between looks at a pass's progress, for a thread waiting for a chunk
+READ_AHEAD = True  # the chunks after the one asked for last are read while its tensors are handed out
 _SMALL_READ = 1 << 20  # below this, one pread through the page cache costs less than an engine's pass
 
 
-def _read_span(fd: int, path: str, offset: int, nbytes: int, opts):
-    """nbytes of the file at offset in new page-aligned memory (a buffer
-    object; storages made over it keep it alive): through the page cache
-    for a small span or a file there already, else with the engine."""
-    import ctypes
+def _new_buffer(nbytes: int):
+    """New page-aligned memory of nbytes, as a buffer object (storages made
+    over it keep it alive; unmapped when the last reference goes)."""
     import mmap
 
-    from .fileio import cached_fraction, read_extents, read_extents_through_page_cache, reading_engine
-
     memory = mmap.mmap(-1, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
-    owner = (ctypes.c_ubyte * nbytes).from_buffer(memory)
+    return (ctypes.c_ubyte * nbytes).from_buffer(memory)
+
+
+def _through_page_cache(fd: int, offset: int, nbytes: int) -> bool:
+    """Whether to read a span of the file through the page cache: a small
+    one, or one that is there already (cheaper than an engine's pass)."""
+    from .fileio import cached_fraction
+
+    return nbytes < _SMALL_READ or (cached_fraction(fd, nbytes, offset) or 0.0) >= 0.9
+
+
+def _read_span(fd: int, path: str, offset: int, nbytes: int, opts):
+    """nbytes of the file at offset in a new buffer (_new_buffer)."""
+    from .fileio import read_extents, read_extents_through_page_cache, reading_engine
+
+    owner = _new_buffer(nbytes)
     extents = [(ctypes.addressof(owner), offset, nbytes)]
-    if nbytes < _SMALL_READ or (cached_fraction(fd, offset + nbytes) or 0.0) >= 0.9:
+    if _through_page_cache(fd, offset, nbytes):
         read_extents_through_page_cache(fd, path, extents, False)
     else:
         with reading_engine(path, opts, nbytes, fd) as (engine, direct_fd):
             read_extents(engine, direct_fd, fd, path, extents, False)
     return owner
+
+
+def _read_run(fd: int, path: str, extents: list, progress: ctypes.c_uint64, opts) -> None:
+    """(address, offset, nbytes) extents that follow one another in the file,
+    read in one pass, progress set as they arrive (each extent's end, once
+    it is in place); EOFError where the file ends first."""
+    from .fileio import read_extents_through_page_cache, reading_engine
+
+    start, end = extents[0][1], extents[-1][1] + extents[-1][2]
+    if _through_page_cache(fd, start, end - start):
+        for extent in extents:
+            read_extents_through_page_cache(fd, path, [extent], False)
+            progress.value = extent[1] + extent[2]
+        return
+    with reading_engine(path, opts, end - start, fd) as (engine, direct_fd):
+        copied, _ = engine.read_extents(direct_fd, fd, extents, path, progress=progress)
+    if copied != end - start:
+        raise EOFError(path)
 
 
 class _Slice:

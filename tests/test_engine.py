@@ -279,6 +279,43 @@ def test_read_extents_scatter_with_crcs(engine, read_file, direct):
         assert crc == zlib.crc32(data[off:off + n].tobytes())
 
 
+@pytest.mark.parametrize("direct", [True, False])
+def test_read_extents_reports_its_progress_while_it_reads(engine, read_file, direct):
+    """progress: another thread watching it during the pass sees it rise to
+    the end, and each extent wholly below what it saw is already in place."""
+    import ctypes
+    import threading
+
+    path, data, dfd, bfd = read_file
+    sizes = [100_000] * 29 + [len(data) - 2_900_000]  # many buffers: copied out on the helper thread
+    destinations = [np.zeros(n, dtype=np.uint8) for n in sizes]
+    offsets = np.cumsum([0] + sizes[:-1]).tolist()
+    table = [(d.ctypes.data, off, n) for d, off, n in zip(destinations, offsets, sizes)]
+    progress = ctypes.c_uint64(0)
+    seen, wrong, done = [], [], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            at = progress.value
+            seen.append(at)
+            wrong.extend(i for i, (off, n) in enumerate(zip(offsets, sizes))
+                         if off + n <= at and destinations[i][-1] != data[off + n - 1])
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    e = _engine.acquire(Options(engine=engine, **SMALL))
+    try:
+        copied, _ = e.read_extents(dfd if direct else -1, bfd, table, str(path), progress=progress)
+    finally:
+        done.set()
+        watcher.join()
+        _engine.release(e)
+    assert copied == len(data) and progress.value >= len(data)
+    assert seen == sorted(seen), "progress went back"
+    assert not wrong, f"extents {sorted(set(wrong))} not in place below the progress seen"
+    assert all(d.tobytes() == data[off:off + n].tobytes() for d, off, n in zip(destinations, offsets, sizes))
+
+
 def test_read_extents_refuses_unsorted_or_overlapping(read_file):
     path, data, dfd, bfd = read_file
     dst = np.zeros(100, dtype=np.uint8)

@@ -160,46 +160,29 @@ def test_tensors_handed_out_twice_share_no_memory(tmp_path):
         assert first.untyped_storage().data_ptr() != again.untyped_storage().data_ptr()
 
 
-def windows_of(monkeypatch, window: int) -> list:
-    """safe_open reading every file as a large one (window by window, WINDOW
-    bytes each); returns the list each read appends (thread name, offset, bytes) to."""
+def reads_of(monkeypatch, chunk: int, ahead: int = 1 << 30) -> list:
+    """safe_open reading every file in chunks of about chunk bytes, holding at
+    most ahead bytes read ahead; returns the list each read appends
+    (thread name, offset, bytes) to: a pass of the reader over chunks, or a
+    read of a caller's own bytes."""
     import threading
 
-    monkeypatch.setattr(fst, "WINDOW", window)
-    monkeypatch.setattr(fst, "WHOLE_FILE", 1000)
+    monkeypatch.setattr(fst, "CHUNK", chunk)
+    monkeypatch.setattr(fst, "AHEAD", ahead)
     reads = []
-    real = fst._read_span
+    real_run, real_span = fst._read_run, fst._read_span
 
-    def recorded(fd, path, offset, nbytes, opts):
+    def run(fd, path, extents, progress, opts):
+        reads.append((threading.current_thread().name, extents[0][1], sum(e[2] for e in extents)))
+        return real_run(fd, path, extents, progress, opts)
+
+    def span(fd, path, offset, nbytes, opts):
         reads.append((threading.current_thread().name, offset, nbytes))
-        return real(fd, path, offset, nbytes, opts)
+        return real_span(fd, path, offset, nbytes, opts)
 
-    monkeypatch.setattr(fst, "_read_span", recorded)
+    monkeypatch.setattr(fst, "_read_run", run)
+    monkeypatch.setattr(fst, "_read_span", span)
     return reads
-
-
-def test_a_slice_of_rows_reads_from_those_rows_on_and_at_most_a_window(tmp_path, monkeypatch):
-    """A slice reads from its first row on, at most a window of the file (or
-    the slice, if larger): never the whole shard for one slice; the tensors
-    that follow come from that read."""
-    tensors = {"big": torch.randn(1000, 256), "next": torch.randn(64)}
-    path = tmp_path / "big.safetensors"
-    fst.save_file(tensors, path)
-    reads = windows_of(monkeypatch, 200 * 256 * 4)  # this 1 MB file as a large one
-    monkeypatch.setattr(fst, "READ_AHEAD", False)  # the reads asked for alone
-    with fst.safe_open(path) as f:
-        start = f._header.data_start + f._header.entries["big"].begin
-        rows = f.get_slice("big")[10:20]
-        more = f.get_slice("big")[20:30]  # within the window: no second read
-        assert [(o, n) for _, o, n in reads] == [(start + 10 * 1024, 200 * 1024)]
-        assert torch.equal(rows, tensors["big"][10:20]) and torch.equal(more, tensors["big"][20:30])
-        assert torch.equal(f.get_tensor("next"), tensors["next"])
-        assert len(reads) == 2
-    monkeypatch.setattr(fst, "WHOLE_FILE", 4 << 30)
-    reads.clear()
-    with fst.safe_open(path) as f:  # a small file: read whole at the first tensor, whatever its place
-        assert torch.equal(f.get_tensor("next"), tensors["next"]) and torch.equal(f.get_tensor("big"), tensors["big"])
-        assert [(o, n) for _, o, n in reads] == [(f._header.data_start, path.stat().st_size - f._header.data_start)]
 
 
 def read_each(f, tensors: dict, names) -> int:
@@ -210,62 +193,173 @@ def read_each(f, tensors: dict, names) -> int:
     return os.path.getsize(f.path) - f._header.data_start
 
 
-def test_names_in_order_over_dtype_groups_read_each_byte_once(tmp_path, monkeypatch):
-    """safetensors orders a file by dtype, then name: asking for names in
-    order (as transformers does) alternates between the groups. Each group
-    keeps its window: every byte is read once, not a window per tensor."""
+def read_once_each(reads: list, data_start: int, data: int) -> None:
+    """The reads cover the data section exactly: every byte once."""
+    spans = sorted((offset, offset + nbytes) for _, offset, nbytes in reads)
+    assert spans[0][0] == data_start and spans[-1][1] == data_start + data, spans
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), spans
+
+
+def test_a_slice_of_rows_reads_those_rows_only(tmp_path, monkeypatch):
+    """A slice reads its rows, never the chunk around them (one slice of a
+    50 GB shard reads that slice). Rows from a chunk held (read, some of its
+    tensors not yet handed out) are copied from it with no read; once a
+    chunk's tensors are all handed out it is let go of, and rows are read
+    for themselves. Either way a slice shares no memory with the tensor."""
+    tensors = {"big": torch.randn(1000, 256), "next": torch.randn(64), "rows": torch.randn(16, 4)}
+    path = tmp_path / "big.safetensors"
+    fst.save_file(tensors, path)
+    reads = reads_of(monkeypatch, 200 * 1024)
+    with fst.safe_open(path) as f:
+        start = f._header.data_start + f._header.entries["big"].begin
+        rows = f.get_slice("big")[10:20]
+        more = f.get_slice("big")[20:30]
+        assert [(o, n) for _, o, n in reads] == [(start + 10 * 1024, 10 * 1024), (start + 20 * 1024, 10 * 1024)]
+        assert torch.equal(rows, tensors["big"][10:20]) and torch.equal(more, tensors["big"][20:30])
+        reads.clear()
+        assert torch.equal(f.get_tensor("next"), tensors["next"])  # reads the chunk "next" and "rows" share
+        assert len(reads) == 1
+        copied = f.get_slice("rows")[3:5]
+        assert len(reads) == 1 and torch.equal(copied, tensors["rows"][3:5])
+        whole = f.get_tensor("rows")
+        whole.zero_()
+        assert torch.equal(copied, tensors["rows"][3:5]), "a slice shares memory with the tensor"
+        reads.clear()
+        big = f.get_tensor("big")  # its own chunk, let go of once handed out
+        again = f.get_slice("big")[5:7]
+        assert [n for _, _, n in reads] == [1000 * 1024, 2 * 1024], reads
+        big.zero_()
+        assert torch.equal(again, tensors["big"][5:7])
+
+
+@pytest.mark.parametrize("through", ["engine", "page cache"])
+def test_names_asked_for_from_threads_in_any_order_read_each_byte_once(tmp_path, monkeypatch, through):
+    """safetensors orders a file by dtype, then name; transformers asks for
+    names in its own order (layer 2 before layer 10), from several threads.
+    Each byte is read once, by the reader thread, whatever the order; the
+    same through the engine's passes (their progress) as through the page
+    cache (this file is there: the engine is made to read it)."""
+    import random
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    if through == "engine":
+        monkeypatch.setattr(fst, "_through_page_cache", lambda fd, offset, nbytes: False)
+
     tensors = {}
     for i in range(40):
-        tensors[f"layer.{i:02d}.norm"] = torch.randn(256)  # float32: the first group in the file
-        tensors[f"layer.{i:02d}.weight"] = torch.randn(256, 64).to(torch.bfloat16)
+        tensors[f"layer.{i}.norm"] = torch.randn(256)  # float32: the first group in the file
+        tensors[f"layer.{i}.weight"] = torch.randn(256, 64).to(torch.bfloat16)
     path = tmp_path / "mixed.safetensors"
     fst.save_file(tensors, path)
-    reads = windows_of(monkeypatch, 64 << 10)
-    with fst.safe_open(path) as f:
-        data = read_each(f, tensors, f.keys())
-    assert sum(n for _, _, n in reads) <= data + (64 << 10), reads
-    assert len(reads) <= data // (64 << 10) + 2, reads
+    names = sorted(tensors, key=lambda n: (int(n.split(".")[1]), n))
+    for order in (names, random.Random(7).sample(names, len(names))):
+        reads = reads_of(monkeypatch, 64 << 10)
+        with fst.safe_open(path) as f, ThreadPoolExecutor(4) as pool:
+            got = dict(zip(order, pool.map(f.get_tensor, order)))
+            data = os.path.getsize(path) - f._header.data_start
+            read_once_each(reads, f._header.data_start, data)
+            assert all(who == "fastpersist-safetensors-reader" for who, _, _ in reads), reads
+            assert all(c.state == fst._Chunk.DONE and c.buffer is None for c in f._chunks)
+        assert all(torch.equal(got[n], tensors[n]) for n in names)
+    assert not any(t.name == "fastpersist-safetensors-reader" for t in threading.enumerate())
 
 
-def test_a_large_files_next_window_is_read_ahead_on_a_thread(tmp_path, monkeypatch):
-    """Names asked for in order: after the first window, each window is read
-    on a thread while the one before hands out its tensors, beginning at the
-    tensor the one before ends in; closing waits for a read still going."""
-    import threading
-
-    tensors = {f"t{i:02d}": torch.randn(5000 + 37 * i) for i in range(30)}  # ~20 KB each, not window-aligned
+def test_read_ahead_stays_within_its_budget(tmp_path, monkeypatch):
+    """One tensor asked for reads its chunk and little more; names asked for
+    in order are read ahead in passes over several chunks, never holding
+    more than AHEAD unhanded bytes beyond the chunk asked for."""
+    tensors = {f"t{i:02d}": torch.randn(5000 + 37 * i) for i in range(60)}  # ~20 KB each
     path = tmp_path / "seq.safetensors"
     fst.save_file(tensors, path)
-    reads = windows_of(monkeypatch, 64 << 10)
+    reads = reads_of(monkeypatch, 64 << 10, ahead=256 << 10)
+    held = []
+    real = fst.safe_open._hand_out
+
+    def hand_out(self, *args):
+        held.append(self._held)
+        return real(self, *args)
+
+    monkeypatch.setattr(fst.safe_open, "_hand_out", hand_out)
     with fst.safe_open(path) as f:
-        data = read_each(f, tensors, f.keys())
-        starts = {f._header.data_start + e.begin for e in f._header.entries.values()}
-    assert reads[0][0] == threading.current_thread().name and len(reads) > 3
-    assert all(who == "fastpersist-safetensors-ahead" for who, _, _ in reads[1:]), reads
-    assert all(offset in starts for _, offset, _ in reads), "a window begins at a tensor"
-    assert sum(n for _, _, n in reads) <= data + 25_000 * len(reads), "a window re-reads at most one tensor"
-    with fst.safe_open(path) as f:  # closed with a read ahead going: it is waited for, nothing breaks
         assert torch.equal(f.get_tensor("t00"), tensors["t00"])
-    assert not any(t.name == "fastpersist-safetensors-ahead" for t in threading.enumerate())
+        reader = f._reader
+        if reader is not None:
+            reader.join()
+        first = sum(n for _, _, n in reads)
+        assert first <= 2 * (64 << 10) + 16 * tensors["t00"].nbytes, reads  # its chunk, and what t00's size allows
+        data = read_each(f, tensors, f.offset_keys())
+        read_once_each(reads, f._header.data_start, data)
+    assert max(held) <= (256 << 10) + (64 << 10), held
+    assert any(n > (64 << 10) for _, _, n in reads), "no pass read more than a chunk"
 
 
-def test_no_read_ahead_of_a_tensor_larger_than_a_window_and_nothing_kept_after_close(tmp_path, monkeypatch):
-    """A tensor larger than a window is not read ahead (maybe a slice of it
-    is all that is wanted: read, it would be read again); a closed file
-    keeps no window, and a slice read after closing reads its bytes only."""
+def test_a_chunks_tensors_are_handed_out_before_its_pass_ends(tmp_path, monkeypatch):
+    """A pass of the reader over several chunks sets their progress as they
+    arrive: the first chunk's tensors are handed out while the pass goes on."""
+    import threading
+
+    tensors = {f"t{i}": torch.full((4096,), float(i)) for i in range(8)}  # 16 KiB each
+    path = tmp_path / "progress.safetensors"
+    fst.save_file(tensors, path)
+    monkeypatch.setattr(fst, "CHUNK", 16 << 10)
+    first_handed_out = threading.Event()
+    passes = []
+    real = fst._read_run
+
+    def run(fd, path, extents, progress, opts):
+        real(fd, path, extents[:1], progress, opts)  # the first chunk arrives
+        passes.append(first_handed_out.wait(10))  # the rest waits for the consumer
+        real(fd, path, extents[1:], progress, opts) if extents[1:] else None
+
+    monkeypatch.setattr(fst, "_read_run", run)
+    with fst.safe_open(path) as f:
+        for i, name in enumerate(f.offset_keys()):
+            assert torch.equal(f.get_tensor(name), tensors[name])
+            first_handed_out.set()
+    assert passes and passes[0], "the first tensor waited for the whole pass"
+
+
+def test_a_file_cut_short_while_open_raises_in_the_thread_that_asks(tmp_path, monkeypatch):
+    """A pass that fails (here, the file truncated after it was opened) is
+    not an error of the reader thread: the thread asking for a tensor of it
+    reads it itself and gets the error, naming that tensor; the tensors
+    before the cut load."""
+    tensors = {f"t{i}": torch.randn(8192) for i in range(6)}
+    path = tmp_path / "cut.safetensors"
+    fst.save_file(tensors, path)
+    reads = reads_of(monkeypatch, 64 << 10)  # two tensors a chunk
+    with fst.safe_open(path) as f:
+        os.truncate(path, f._header.data_start + 3 * 32768 + 100)  # inside t3
+        for name in ("t0", "t1", "t2"):
+            assert torch.equal(f.get_tensor(name), tensors[name])
+        with pytest.raises(SafetensorsFileError, match="ended inside tensor 't3'"):
+            f.get_tensor("t3")
+    assert any(who == "MainThread" for who, _, _ in reads), "the chunk was not read again by the thread asking"
+
+
+def test_no_read_ahead_of_a_tensor_larger_than_the_budget_and_nothing_kept_after_close(tmp_path, monkeypatch):
+    """A tensor larger than the read-ahead budget is not read ahead (maybe a
+    slice of it is all that is wanted); a closed file keeps no chunk, and a
+    slice read after closing reads its bytes only."""
     tensors = {"a": torch.randn(32 << 10), "b": torch.randn(256 << 10), "c": torch.randn(32 << 10),
                "d": torch.randn(256 << 10)}  # 128 KiB, 1 MiB, 128 KiB, 1 MiB
     path = tmp_path / "mixed-sizes.safetensors"
     fst.save_file(tensors, path)
-    reads = windows_of(monkeypatch, 256 << 10)
+    reads = reads_of(monkeypatch, 256 << 10, ahead=512 << 10)
     with fst.safe_open(path) as f:
-        data = read_each(f, tensors, f.offset_keys())
+        assert torch.equal(f.get_tensor("a"), tensors["a"])
+        if f._reader is not None:
+            f._reader.join()
+        assert [n for _, _, n in reads] in ([128 << 10], [128 << 10, 128 << 10]), reads  # "a", and "c" ahead:
+        # never "b" or "d" (1 MiB each), beyond the budget
+        data = read_each(f, tensors, ["b", "c", "d"])
         late = f.get_slice("b")
-    assert sum(n for _, _, n in reads) <= data + (256 << 10), reads  # at most the window read past "a" into "b"
-    assert f._windows == [] and f._ahead is None
+    read_once_each(reads, f._header.data_start, data)
+    assert f._chunks is None and f._reader is None
     reads.clear()
     assert torch.equal(late[:10], tensors["b"][:10])
-    assert [n for _, _, n in reads] == [256 << 10], reads  # one window from the slice on, no read ahead
+    assert [n for _, _, n in reads] == [40], reads  # ten rows of four bytes
 
 
 def test_a_slice_read_while_another_thread_closes_the_file_reads_it_again(tmp_path, monkeypatch):
@@ -276,14 +370,14 @@ def test_a_slice_read_while_another_thread_closes_the_file_reads_it_again(tmp_pa
     fst.save_file(tensors, path)
     with fst.safe_open(path) as f:
         rows = f.get_slice("big")
-        real = fst.safe_open._from_window
+        real = fst.safe_open._cpu_bytes
 
         def closed_meanwhile(self, *args):
             if self is f:
                 self.close()  # as another thread would, before this read takes the lock
             return real(self, *args)
 
-        monkeypatch.setattr(fst.safe_open, "_from_window", closed_meanwhile)
+        monkeypatch.setattr(fst.safe_open, "_cpu_bytes", closed_meanwhile)
         assert torch.equal(rows[10:20], tensors["big"][10:20])
     assert f._fd < 0
 

@@ -109,9 +109,14 @@ static void read_all(int kind, const char *path, int direct, int with_crcs, uint
     uint64_t want = 0;
     for (size_t i = 0; i < n; i++)
         want += ext[i].offset + ext[i].length > FILE_SIZE ? FILE_SIZE - ext[i].offset : ext[i].length;
-    int64_t got = fp_read_extents(e, dfd, bfd, ext, n, with_crcs ? crcs : NULL);
+    uint64_t progress = 0;
+    int64_t got = fp_read_extents_progress(e, dfd, bfd, ext, n, with_crcs ? crcs : NULL, &progress);
     CHECK(got == (int64_t)want, "kind %d direct %d: copied %lld of %llu", kind, direct, (long long)got,
           (unsigned long long)want);
+    uint64_t last_end = ext[n - 1].offset + ext[n - 1].length;
+    CHECK(progress >= (last_end < FILE_SIZE ? last_end : FILE_SIZE) && progress <= FILE_SIZE + (1u << 20),
+          "kind %d direct %d: progress %llu at the end, the extents end at %llu", kind, direct,
+          (unsigned long long)progress, (unsigned long long)last_end);
     for (size_t i = 0; i < n; i++) {
         uint64_t present = ext[i].offset + ext[i].length > FILE_SIZE ? FILE_SIZE - ext[i].offset : ext[i].length;
         CHECK(memcmp(ext[i].dst, expected + ext[i].offset, present) == 0, "kind %d extent %zu: wrong bytes", kind, i);
@@ -138,8 +143,15 @@ static void read_failing(int kind, const char *path)
     int bfd = open(path, O_RDONLY), dfd = open(path, O_RDONLY | O_DIRECT);
     static struct fp_extent ext[MAX_EXTENTS];
     size_t n = make_extents(ext, 99u + (unsigned)kind, 0);
-    int64_t got = fp_read_extents(e, dfd, bfd, ext, n, NULL);
+    for (size_t i = 0; i < n; i++)
+        memset(ext[i].dst, 0, ext[i].length);
+    uint64_t progress = 0;
+    int64_t got = fp_read_extents_progress(e, dfd, bfd, ext, n, NULL, &progress);
     CHECK(got == -EIO, "kind %d: a failing read returned %lld, not -EIO", kind, (long long)got);
+    CHECK(progress < ext[n - 1].offset + ext[n - 1].length, "kind %d: a failed read's progress passed its end", kind);
+    for (size_t i = 0; i < n && ext[i].offset + ext[i].length <= progress; i++) /* what progress promised */
+        CHECK(memcmp(ext[i].dst, expected + ext[i].offset, ext[i].length) == 0,
+              "kind %d extent %zu: below the progress of a failed read, wrong bytes", kind, i);
     CHECK(fp_engine_usable(e) == -ENOTRECOVERABLE, "kind %d: a failed engine is still usable", kind);
     free_extents(ext, n);
     close(dfd);
