@@ -102,6 +102,8 @@ def test_safetensors_bench_runs_every_mechanism_and_leaves_nothing(tmp_path):
         assert (operation, "fastpersist load_file" if "load" in operation else "fastpersist save_file") in pairs
     assert ("cold load, fresh process", "raw engine read") in pairs
     assert ("save", "safetensors save_file + fsync") in pairs
+    for mechanism in ("safetensors safe_open (mmap), 4 threads", "fastpersist safe_open, 4 threads"):
+        assert ("cold load, fresh process, as transformers reads", mechanism) in pairs
     import importlib.util
 
     line = next((x for x in out.stderr.splitlines() if x.startswith("not measured (not installed): ")), "")

@@ -16,6 +16,9 @@ order shuffled from round to round:
   mapped then, and where installed fastsafetensors (``fastsafe_open``,
   ``nogds=True``, to the CPU) and runai-model-streamer
   (``SafetensorsStreamer``, to the CPU);
+- cold load as transformers 5 reads a shard (every tensor by
+  ``get_slice(name)[...]`` from 4 threads, names in its order), through
+  safetensors' ``safe_open`` and fastpersist's;
 - warm load (the files in the page cache), in this process: safetensors'
   ``load_file`` and fastpersist's.
 """
@@ -29,6 +32,7 @@ import time
 
 from . import common
 from .common import GB, BenchError, Series, echo, fmt
+from .child import AS_TRANSFORMERS_READS
 from .fresh import FreshProcesses
 
 
@@ -191,6 +195,11 @@ def run(args) -> int:
                 if m.endswith("(pread)") and not has_pread:
                     continue
                 s = Series(f"cold load, fresh process: {label}", m, role=_role(m), nbytes=nbytes)
+                series.append(s)
+                measures.append((s, lambda label=label, m=m: bench.cold_load(label, m)))
+            for m in AS_TRANSFORMERS_READS:
+                s = Series(f"cold load, fresh process, as transformers reads: {label}", m, role=_role(m),
+                           nbytes=nbytes)
                 series.append(s)
                 measures.append((s, lambda label=label, m=m: bench.cold_load(label, m)))
             for m in WARM:
