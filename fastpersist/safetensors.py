@@ -625,9 +625,9 @@ class safe_open:  # noqa: N801 - safetensors' name
         try:
             if self.device.type == "cpu":
                 byte_view = self._cpu_bytes(entry, offset, nbytes, first == 0 and stop == rows, opts)
-                if offset % entry.dtype.itemsize == 0:
+                if byte_view.data_ptr() % entry.dtype.itemsize == 0:
                     return byte_view.view(entry.dtype).view(shape)
-                out = torch.empty(shape, dtype=entry.dtype)  # not at its dtype's alignment in the file
+                out = torch.empty(shape, dtype=entry.dtype)  # not at its dtype's alignment in memory
                 out.reshape(-1).view(torch.uint8).copy_(byte_view)
                 return out
             out = torch.empty(shape, dtype=entry.dtype, device=self.device)
@@ -680,12 +680,17 @@ class safe_open:  # noqa: N801 - safetensors' name
                 if chunk.state == _Chunk.UNREAD and view and not chunk.failed:
                     if chunk not in self._wanted:
                         self._wanted.append(chunk)
-                        self._start_reader()
-                if chunk.state == _Chunk.READING or (chunk.state == _Chunk.UNREAD and view and not chunk.failed):
+                    # asked each time round: a reader whose pass failed has stopped, leaving chunks
+                    # asked for meanwhile to the next one
+                    waits = self._start_reader()
+                else:
+                    waits = chunk.state == _Chunk.READING
+                if waits:
                     self._changed.wait(_POLL)  # woken when a pass ends; in between, progress is looked at
                     continue
                 # rows, or a tensor asked for again, where the chunk is not held: its own bytes only;
-                # or a chunk whose read by the reader failed: read here, to meet its error in this thread
+                # or a chunk whose read by the reader failed, or with no reader thread to be had:
+                # read here (meeting any error in this thread)
                 own_read = True
                 fd = os.dup(self._fd)  # read outside the lock: a close() meanwhile leaves it its file
                 if view:
@@ -738,12 +743,18 @@ class safe_open:  # noqa: N801 - safetensors' name
             self._start_reader()
         return piece
 
-    def _start_reader(self) -> None:
-        """Starts the reader thread where it is not running and has a chunk to read (under the lock)."""
+    def _start_reader(self) -> bool:
+        """Starts the reader thread where it is not running and has a chunk to
+        read (under the lock: it runs once the lock is let go of); whether
+        one runs."""
         if self._reader is None and not self._closing and self._next_run(take=False):
-            self._reader = threading.Thread(target=self._reader_loop, name="fastpersist-safetensors-reader",
-                                            daemon=True)
-            self._reader.start()
+            reader = threading.Thread(target=self._reader_loop, name="fastpersist-safetensors-reader", daemon=True)
+            try:
+                reader.start()
+            except RuntimeError:  # no thread to be had: whoever waits for a chunk reads it itself
+                return False
+            self._reader = reader
+        return self._reader is not None
 
     def _budget(self) -> int:
         """Bytes the reader may hold, read or being read and not handed out:
@@ -807,20 +818,27 @@ class safe_open:  # noqa: N801 - safetensors' name
                 if not run:
                     self._reader = None
                     return
-                progress = ctypes.c_uint64(0)
+                progress, fd = ctypes.c_uint64(0), -1
                 for chunk in run:
                     self._claim(chunk)
-                    chunk.buffer, chunk.progress = _new_buffer(chunk.end - chunk.start), progress
-                buffers = [chunk.buffer for chunk in run]  # alive until the pass ends, whatever is let go of
-                fd = os.dup(self._fd)
-            failed = False
+                    chunk.progress = progress
+                try:
+                    for chunk in run:
+                        chunk.buffer = _new_buffer(chunk.end - chunk.start)
+                    buffers = [chunk.buffer for chunk in run]  # alive until the pass ends, whatever is let go of
+                    fd = os.dup(self._fd)
+                except BaseException:  # noqa: BLE001 - no memory, no descriptor: as a failed pass (below)
+                    buffers = None
+            failed = buffers is None
             try:
-                _read_run(fd, self.path, [(ctypes.addressof(b), c.start, c.end - c.start) for b, c in zip(buffers, run)],
-                          progress, current_options())
+                if not failed:
+                    _read_run(fd, self.path, [(ctypes.addressof(b), c.start, c.end - c.start)
+                                              for b, c in zip(buffers, run)], progress, current_options())
             except BaseException:  # noqa: BLE001 - met again by whoever reads the chunk itself (above)
                 failed = True
             finally:
-                os.close(fd)
+                if fd >= 0:
+                    os.close(fd)
             with self._lock:
                 for chunk in run:
                     if chunk.state == _Chunk.READING:

@@ -338,6 +338,104 @@ def test_a_file_cut_short_while_open_raises_in_the_thread_that_asks(tmp_path, mo
     assert any(who == "MainThread" for who, _, _ in reads), "the chunk was not read again by the thread asking"
 
 
+def returns_in_time(call, seconds: float = 20):
+    """call() on a thread; its result, failing the test where it has not
+    returned in time (a request left waiting forever) instead of hanging."""
+    import threading
+
+    result = []
+    worker = threading.Thread(target=lambda: result.append(call()), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert not worker.is_alive(), "the request is still waiting"
+    assert result, "the request raised"
+    return result[0]
+
+
+def test_a_failed_read_ahead_leaves_no_request_waiting(tmp_path, monkeypatch):
+    """A pass that fails (a transient error) stops the reader; a tensor asked
+    for meanwhile, outside that pass, is still read (by the next reader)."""
+    import time
+
+    tensors = {f"t{i:02d}": torch.randn(8192) for i in range(40)}  # 32 KiB each, two a chunk
+    path = tmp_path / "ahead.safetensors"
+    fst.save_file(tensors, path)
+    reads_of(monkeypatch, 64 << 10)
+    real, passes = fst._read_run, []
+
+    def run(fd, path, extents, progress, opts):
+        passes.append(extents[0][1])
+        if len(passes) == 2:  # the read ahead after t00's chunk
+            time.sleep(0.2)  # while t38 is asked for
+            raise OSError(12, "Cannot allocate memory")
+        return real(fd, path, extents, progress, opts)
+
+    monkeypatch.setattr(fst, "_read_run", run)
+    with fst.safe_open(path) as f:
+        assert torch.equal(f.get_tensor("t00"), tensors["t00"])
+        assert torch.equal(returns_in_time(lambda: f.get_tensor("t38")), tensors["t38"])
+        assert len(passes) >= 3
+        read_each(f, tensors, [n for n in tensors if n not in ("t00", "t38")])
+
+
+@pytest.mark.parametrize("fault", ["no memory for a pass", "no thread"])
+def test_a_reader_that_cannot_run_leaves_no_request_waiting(tmp_path, monkeypatch, fault):
+    """No memory for a pass's buffers, or no thread to read with: the tensor
+    asked for is read by the thread asking, and the next ones as usual."""
+    import threading
+
+    tensors = {f"t{i}": torch.randn(8192) for i in range(6)}
+    path = tmp_path / "faults.safetensors"
+    fst.save_file(tensors, path)
+    reads = reads_of(monkeypatch, 64 << 10)
+    failed = []
+    if fault == "no memory for a pass":
+        real = fst._new_buffer
+
+        def new_buffer(nbytes):
+            if threading.current_thread().name == "fastpersist-safetensors-reader" and not failed:
+                failed.append(nbytes)
+                raise MemoryError
+            return real(nbytes)
+
+        monkeypatch.setattr(fst, "_new_buffer", new_buffer)
+    else:
+        real_start = threading.Thread.start
+
+        def start(thread):
+            if thread.name == "fastpersist-safetensors-reader" and not failed:
+                failed.append(thread)
+                raise RuntimeError("can't start new thread")
+            return real_start(thread)
+
+        monkeypatch.setattr(threading.Thread, "start", start)
+    with fst.safe_open(path) as f:
+        assert torch.equal(returns_in_time(lambda: f.get_tensor("t0")), tensors["t0"])
+        assert failed
+        read_each(f, tensors, ["t1", "t2", "t3", "t4", "t5"])
+    read_once_each(reads, f._header.data_start, os.path.getsize(path) - f._header.data_start)
+
+
+def test_a_tensor_at_its_alignment_in_the_file_is_at_it_in_memory(tmp_path, monkeypatch):
+    """A chunk may begin at an odd offset (a file from another writer, with
+    one-byte tensors first): its float32 tensor aligned in the file is
+    handed out aligned in memory (a copy where the chunk's view is not)."""
+    header = {"a": {"dtype": "U8", "shape": [21], "data_offsets": [0, 21]},
+              "b": {"dtype": "U8", "shape": [3], "data_offsets": [21, 24]},
+              "c": {"dtype": "F32", "shape": [4], "data_offsets": [24, 40]}}
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path = _write(tmp_path / "odd.safetensors", struct.pack("<Q", len(raw)) + raw + bytes(range(24))
+                  + torch.arange(4, dtype=torch.float32).numpy().tobytes())
+    monkeypatch.setattr(fst, "CHUNK", 20)  # "a" alone, then "b" and "c" from offset 21
+    with fst.safe_open(path) as f:
+        assert [(c.start - f._header.data_start, c.end - f._header.data_start) for c in fst._chunks_of(f._header)[0]] \
+            == [(0, 21), (21, 40)]
+        c = f.get_tensor("c")
+        assert c.data_ptr() % 4 == 0 and torch.equal(c, torch.arange(4, dtype=torch.float32))
+        assert torch.equal(f.get_tensor("b"), torch.tensor([21, 22, 23], dtype=torch.uint8))
+
+
 def test_no_read_ahead_of_a_tensor_larger_than_the_budget_and_nothing_kept_after_close(tmp_path, monkeypatch):
     """A tensor larger than the read-ahead budget is not read ahead (maybe a
     slice of it is all that is wanted); a closed file keeps no chunk, and a
