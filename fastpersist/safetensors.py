@@ -833,7 +833,8 @@ class safe_open:  # noqa: N801 - safetensors' name
             try:
                 if not failed:
                     _read_run(fd, self.path, [(ctypes.addressof(b), c.start, c.end - c.start)
-                                              for b, c in zip(buffers, run)], progress, current_options())
+                                              for b, c in zip(buffers, run)], progress, current_options(),
+                              self._size)
             except BaseException:  # noqa: BLE001 - met again by whoever reads the chunk itself (above)
                 failed = True
             finally:
@@ -910,12 +911,18 @@ def _new_buffer(nbytes: int):
     return (ctypes.c_ubyte * nbytes).from_buffer(memory)
 
 
-def _through_page_cache(fd: int, offset: int, nbytes: int) -> bool:
+def _through_page_cache(fd: int, offset: int, nbytes: int, file_size: int = 0, opts=None) -> bool:
     """Whether to read a span of the file through the page cache: a small
-    one, or one that is there already (cheaper than an engine's pass)."""
+    span, a span of a file under SMALL_LOAD_BYTES (file_size, where given)
+    with no engine idle (making one costs more than reading such a file, as
+    for torch loads), or a span there already (cheaper than an engine's pass)."""
+    from . import _engine
     from .fileio import cached_fraction
+    from .load import SMALL_LOAD_BYTES
 
-    return nbytes < _SMALL_READ or (cached_fraction(fd, nbytes, offset) or 0.0) >= 0.9
+    if nbytes < _SMALL_READ or (0 < file_size < SMALL_LOAD_BYTES and not _engine.has_idle(opts, nbytes)):
+        return True
+    return (cached_fraction(fd, nbytes, offset) or 0.0) >= 0.9
 
 
 def _read_span(fd: int, path: str, offset: int, nbytes: int, opts):
@@ -932,17 +939,19 @@ def _read_span(fd: int, path: str, offset: int, nbytes: int, opts):
     return owner
 
 
-def _read_run(fd: int, path: str, extents: list, progress: ctypes.c_uint64, opts) -> None:
-    """(address, offset, nbytes) extents that follow one another in the file,
-    read in one pass, progress set as they arrive (each extent's end, once
-    it is in place); EOFError where the file ends first."""
+def _read_run(fd: int, path: str, extents: list, progress: ctypes.c_uint64, opts, file_size: int = 0) -> None:
+    """(address, offset, nbytes) extents that follow one another in the file
+    (of file_size bytes, where given), in new memory, read in one pass,
+    progress set as they arrive (each extent's end, once it is in place);
+    EOFError where the file ends first."""
     from .fileio import prefaulting, read_extents_through_page_cache, reading_engine
 
     start, end = extents[0][1], extents[-1][1] + extents[-1][2]
-    if _through_page_cache(fd, start, end - start):
-        for extent in extents:
-            read_extents_through_page_cache(fd, path, [extent], False)
-            progress.value = extent[1] + extent[2]
+    if _through_page_cache(fd, start, end - start, file_size, opts):
+        with prefaulting(extents) if end - start >= _SMALL_READ else contextlib.nullcontext():
+            for extent in extents:
+                read_extents_through_page_cache(fd, path, [extent], False)
+                progress.value = extent[1] + extent[2]
         return
     # the buffers are fresh memory: helper threads fault it in ahead of the engine's copies (a 2.2 GB
     # file on a RAM-backed device: 1.13 s with them, 1.92 s without; medians of 6 fresh processes)

@@ -172,9 +172,9 @@ def reads_of(monkeypatch, chunk: int, ahead: int = 1 << 30) -> list:
     reads = []
     real_run, real_span = fst._read_run, fst._read_span
 
-    def run(fd, path, extents, progress, opts):
+    def run(fd, path, extents, progress, opts, *rest):
         reads.append((threading.current_thread().name, extents[0][1], sum(e[2] for e in extents)))
-        return real_run(fd, path, extents, progress, opts)
+        return real_run(fd, path, extents, progress, opts, *rest)
 
     def span(fd, path, offset, nbytes, opts):
         reads.append((threading.current_thread().name, offset, nbytes))
@@ -244,7 +244,7 @@ def test_names_asked_for_from_threads_in_any_order_read_each_byte_once(tmp_path,
     from concurrent.futures import ThreadPoolExecutor
 
     if through == "engine":
-        monkeypatch.setattr(fst, "_through_page_cache", lambda fd, offset, nbytes: False)
+        monkeypatch.setattr(fst, "_through_page_cache", lambda *args: False)
 
     tensors = {}
     for i in range(40):
@@ -307,10 +307,10 @@ def test_a_chunks_tensors_are_handed_out_before_its_pass_ends(tmp_path, monkeypa
     passes = []
     real = fst._read_run
 
-    def run(fd, path, extents, progress, opts):
-        real(fd, path, extents[:1], progress, opts)  # the first chunk arrives
+    def run(fd, path, extents, progress, opts, *rest):
+        real(fd, path, extents[:1], progress, opts, *rest)  # the first chunk arrives
         passes.append(first_handed_out.wait(10))  # the rest waits for the consumer
-        real(fd, path, extents[1:], progress, opts) if extents[1:] else None
+        real(fd, path, extents[1:], progress, opts, *rest) if extents[1:] else None
 
     monkeypatch.setattr(fst, "_read_run", run)
     with fst.safe_open(path) as f:
@@ -363,12 +363,12 @@ def test_a_failed_read_ahead_leaves_no_request_waiting(tmp_path, monkeypatch):
     reads_of(monkeypatch, 64 << 10)
     real, passes = fst._read_run, []
 
-    def run(fd, path, extents, progress, opts):
+    def run(fd, path, extents, progress, opts, *rest):
         passes.append(extents[0][1])
         if len(passes) == 2:  # the read ahead after t00's chunk
             time.sleep(0.2)  # while t38 is asked for
             raise OSError(12, "Cannot allocate memory")
-        return real(fd, path, extents, progress, opts)
+        return real(fd, path, extents, progress, opts, *rest)
 
     monkeypatch.setattr(fst, "_read_run", run)
     with fst.safe_open(path) as f:
