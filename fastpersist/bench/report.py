@@ -140,9 +140,10 @@ def _is_safetensors(document: dict) -> bool:
 
 def notes(document: dict) -> list:
     if _is_safetensors(document):
-        return ["× safetensors: safetensors' time (save_file + fsync; load_file, its mmap backend) over this one in "
-                "the same round, median over rounds; × ceiling: the raw engine's time over this one. Cold loads: "
-                "each in a fresh process, the files dropped from the page cache, every byte touched."]
+        return ["× safetensors: safetensors' time (save_file + fsync; load_file, its mmap backend; read as "
+                "transformers reads: its safe_open) over this one in the same round, median over rounds; × ceiling: "
+                "the raw engine's time over this one. Cold loads: each in a fresh process, the files dropped from "
+                "the page cache, every byte touched."]
     if document["benchmark"] == "fastpersist bench gpu":
         return ["× reference: torch's time over this one in the same round (for save_async: one device-to-host "
                 "copy_ of the state), median over rounds; × ceiling: the raw engine's time over this one; "
