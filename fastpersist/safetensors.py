@@ -30,6 +30,7 @@ import json
 import os
 import struct
 import threading
+import weakref
 from typing import Dict, Optional
 
 import torch
@@ -516,6 +517,7 @@ class safe_open:  # noqa: N801 - safetensors' name
         self.path = os.fspath(filename)
         self.device = _device_of(device)
         self._init_reading(READ_AHEAD)
+        _open_files.add(self)
         self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             self._opened = os.fstat(self._fd)  # which file: a slice read after close() opens the name again
@@ -599,6 +601,7 @@ class safe_open:  # noqa: N801 - safetensors' name
         again = safe_open.__new__(safe_open, self.path)
         again.path, again.device, again._header = self.path, self.device, self._header
         again._init_reading(False)  # it reads one slice and is closed
+        _open_files.add(again)
         again._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         if not same_file(os.fstat(again._fd), self._opened):
             os.close(again._fd)
@@ -683,8 +686,11 @@ class safe_open:  # noqa: N801 - safetensors' name
                     # asked each time round: a reader whose pass failed has stopped, leaving chunks
                     # asked for meanwhile to the next one
                     waits = self._start_reader()
-                else:
+                elif chunk.state == _Chunk.READING:
+                    self._start_reader()  # which finds a reader lost to a fork, and its chunks unread
                     waits = chunk.state == _Chunk.READING
+                else:
+                    waits = False
                 if waits:
                     self._changed.wait(_POLL)  # woken when a pass ends; in between, progress is looked at
                     continue
@@ -747,6 +753,8 @@ class safe_open:  # noqa: N801 - safetensors' name
         """Starts the reader thread where it is not running and has a chunk to
         read (under the lock: it runs once the lock is let go of); whether
         one runs."""
+        if self._reader is not None and not self._reader.is_alive():
+            self._reader_gone()
         if self._reader is None and not self._closing and self._next_run(take=False):
             reader = threading.Thread(target=self._reader_loop, name="fastpersist-safetensors-reader", daemon=True)
             try:
@@ -755,6 +763,19 @@ class safe_open:  # noqa: N801 - safetensors' name
                 return False
             self._reader = reader
         return self._reader is not None
+
+    def _reader_gone(self) -> None:
+        """The reader thread is not running, yet was not seen to stop: this is
+        a forked child of the process it ran in (under the lock, or in the
+        child before any other thread). Its pass is lost: its chunks are
+        unread again, for whoever asks next."""
+        self._reader = None
+        for chunk in self._chunks or ():
+            if chunk.state == _Chunk.READING and chunk.progress is not None and not chunk.arrived():
+                chunk.failed = True  # read by whoever asks for it: not by a reader that may lose it again
+                self._unclaim(chunk)
+            elif chunk.state == _Chunk.READING and chunk.progress is not None:
+                chunk.state, chunk.progress = _Chunk.READ, None
 
     def _budget(self) -> int:
         """Bytes the reader may hold, read or being read and not handed out:
@@ -853,6 +874,25 @@ class safe_open:  # noqa: N801 - safetensors' name
                 if failed:
                     self._reader = None
                     return
+
+
+# every safe_open alive, for a forked child to mend (below)
+_open_files: "weakref.WeakSet[safe_open]" = weakref.WeakSet()
+
+
+def _mend_after_fork() -> None:
+    """In a forked child: each safe_open gets a new lock (the parent's may
+    have been held by a thread the child does not have) and loses its
+    reader, whose chunks are read again by whoever asks for them."""
+    for opened in list(_open_files):
+        opened._lock = threading.Lock()
+        opened._changed = threading.Condition(opened._lock)
+        if opened._reader is not None:
+            with opened._lock:
+                opened._reader_gone()
+
+
+os.register_at_fork(after_in_child=_mend_after_fork)
 
 
 class _Chunk:

@@ -973,3 +973,52 @@ def test_checksums_kept_in_the_metadata_find_a_flipped_byte(tmp_path):
     fst.save_file(tensors, path)
     with pytest.raises(SafetensorsFileError, match="saved without checksums"):
         fst.load_file(path, verify=True)
+
+
+def test_a_forked_child_reads_what_the_parents_reader_was_reading(tmp_path, monkeypatch):
+    """A process forked while its safe_open's reader is in a pass (a data
+    loader's workers, forked from a process that opened the file): the
+    child has no reader thread; it reads the chunks itself, it does not wait
+    for a reader that is not there."""
+    import threading
+    import time
+
+    tensors = {f"t{i}": torch.full((8192,), float(i)) for i in range(8)}  # 32 KiB each, two a chunk
+    path = tmp_path / "fork.safetensors"
+    fst.save_file(tensors, path)
+    reads_of(monkeypatch, 64 << 10)
+    in_pass = threading.Event()
+    real = fst._read_run
+
+    passes = []
+
+    def run(fd, path, extents, progress, opts, *rest):
+        passes.append(extents[0][1])
+        if len(passes) == 2:  # the read ahead after t0's chunk: long enough to fork in
+            in_pass.set()
+            time.sleep(3)
+        return real(fd, path, extents, progress, opts, *rest)
+
+    monkeypatch.setattr(fst, "_read_run", run)
+    with fst.safe_open(path) as f:
+        assert torch.equal(f.get_tensor("t0"), tensors["t0"])
+        assert in_pass.wait(10)
+        child = os.fork()
+        if child == 0:  # the child: no test machinery, an exit status
+            status = 1
+            try:
+                torch.set_num_threads(1)  # torch's thread pool hangs in a forked child otherwise
+                status = 0 if all(torch.equal(f.get_tensor(f"t{i}"), tensors[f"t{i}"]) for i in (2, 3, 7)) else 2
+            finally:
+                os._exit(status)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(child, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(child, 9)
+            os.waitpid(child, 0)
+            pytest.fail("the child waited for its parent's reader")
+        assert os.waitstatus_to_exitcode(status) == 0
