@@ -764,18 +764,21 @@ class safe_open:  # noqa: N801 - safetensors' name
             self._reader = reader
         return self._reader is not None
 
-    def _reader_gone(self) -> None:
+    def _reader_gone(self, forked: bool = False) -> None:
         """The reader thread is not running, yet was not seen to stop: this is
-        a forked child of the process it ran in (under the lock, or in the
-        child before any other thread). Its pass is lost: its chunks are
-        unread again, for whoever asks next."""
+        a forked child of the process it ran in (under the lock). Its pass is
+        lost: its chunks are unread again, for whoever asks next. forked: in
+        the child, before any other thread: the reads of consumer threads
+        (chunks read with no progress) are lost too."""
         self._reader = None
         for chunk in self._chunks or ():
-            if chunk.state == _Chunk.READING and chunk.progress is not None and not chunk.arrived():
+            if chunk.state != _Chunk.READING or (chunk.progress is None and not forked):
+                continue
+            if chunk.arrived():
+                chunk.state, chunk.progress = _Chunk.READ, None
+            else:
                 chunk.failed = True  # read by whoever asks for it: not by a reader that may lose it again
                 self._unclaim(chunk)
-            elif chunk.state == _Chunk.READING and chunk.progress is not None:
-                chunk.state, chunk.progress = _Chunk.READ, None
 
     def _budget(self) -> int:
         """Bytes the reader may hold, read or being read and not handed out:
@@ -883,13 +886,13 @@ _open_files: "weakref.WeakSet[safe_open]" = weakref.WeakSet()
 def _mend_after_fork() -> None:
     """In a forked child: each safe_open gets a new lock (the parent's may
     have been held by a thread the child does not have) and loses its
-    reader, whose chunks are read again by whoever asks for them."""
+    reader and the reads of other threads, whose chunks are read again by
+    whoever asks for them."""
     for opened in list(_open_files):
         opened._lock = threading.Lock()
         opened._changed = threading.Condition(opened._lock)
-        if opened._reader is not None:
-            with opened._lock:
-                opened._reader_gone()
+        with opened._lock:
+            opened._reader_gone(forked=True)
 
 
 os.register_at_fork(after_in_child=_mend_after_fork)

@@ -975,11 +975,13 @@ def test_checksums_kept_in_the_metadata_find_a_flipped_byte(tmp_path):
         fst.load_file(path, verify=True)
 
 
-def test_a_forked_child_reads_what_the_parents_reader_was_reading(tmp_path, monkeypatch):
-    """A process forked while its safe_open's reader is in a pass (a data
-    loader's workers, forked from a process that opened the file): the
-    child has no reader thread; it reads the chunks itself, it does not wait
-    for a reader that is not there."""
+@pytest.mark.parametrize("lost", ["the reader's pass", "another thread's read"])
+def test_a_forked_child_reads_what_the_parents_threads_were_reading(tmp_path, monkeypatch, lost):
+    """A process forked while a chunk is being read, by the safe_open's
+    reader or by another thread reading it itself (after a failed pass):
+    the child has no such thread; it reads the chunks itself instead of
+    waiting for one that is not there (data-loader workers forked from a
+    process that opened the file)."""
     import threading
     import time
 
@@ -987,28 +989,37 @@ def test_a_forked_child_reads_what_the_parents_reader_was_reading(tmp_path, monk
     path = tmp_path / "fork.safetensors"
     fst.save_file(tensors, path)
     reads_of(monkeypatch, 64 << 10)
-    in_pass = threading.Event()
-    real = fst._read_run
-
-    passes = []
+    in_read = threading.Event()
+    real_run, real_span, passes = fst._read_run, fst._read_span, []
 
     def run(fd, path, extents, progress, opts, *rest):
         passes.append(extents[0][1])
+        if lost == "another thread's read":
+            raise OSError(5, "Input/output error")  # the chunk is then read by the thread asking for it
         if len(passes) == 2:  # the read ahead after t0's chunk: long enough to fork in
-            in_pass.set()
+            in_read.set()
             time.sleep(3)
-        return real(fd, path, extents, progress, opts, *rest)
+        return real_run(fd, path, extents, progress, opts, *rest)
+
+    def span(fd, path, offset, nbytes, opts):
+        if threading.current_thread().name == "asking" and not in_read.is_set():
+            in_read.set()
+            time.sleep(3)
+        return real_span(fd, path, offset, nbytes, opts)
 
     monkeypatch.setattr(fst, "_read_run", run)
+    monkeypatch.setattr(fst, "_read_span", span)
     with fst.safe_open(path) as f:
-        assert torch.equal(f.get_tensor("t0"), tensors["t0"])
-        assert in_pass.wait(10)
+        asking = threading.Thread(target=lambda: f.get_tensor("t0"), name="asking")
+        asking.start()
+        assert in_read.wait(10)
         child = os.fork()
         if child == 0:  # the child: no test machinery, an exit status
             status = 1
             try:
                 torch.set_num_threads(1)  # torch's thread pool hangs in a forked child otherwise
-                status = 0 if all(torch.equal(f.get_tensor(f"t{i}"), tensors[f"t{i}"]) for i in (2, 3, 7)) else 2
+                monkeypatch.setattr(fst, "_read_run", real_run)
+                status = 0 if all(torch.equal(f.get_tensor(f"t{i}"), tensors[f"t{i}"]) for i in (1, 2, 3, 7)) else 2
             finally:
                 os._exit(status)
         deadline = time.monotonic() + 30
@@ -1020,5 +1031,6 @@ def test_a_forked_child_reads_what_the_parents_reader_was_reading(tmp_path, monk
         else:
             os.kill(child, 9)
             os.waitpid(child, 0)
-            pytest.fail("the child waited for its parent's reader")
+            pytest.fail("the child waited for a thread of its parent's")
+        asking.join()
         assert os.waitstatus_to_exitcode(status) == 0
