@@ -970,19 +970,17 @@ def _through_page_cache(fd: int, offset: int, nbytes: int, file_size: int = 0, o
 
 def _read_span(fd: int, path: str, offset: int, nbytes: int, opts):
     """nbytes of the file at offset in a new buffer (_new_buffer)."""
-    from .fileio import read_extents, read_extents_through_page_cache, reading_engine
-
     owner = _new_buffer(nbytes)
-    extents = [(ctypes.addressof(owner), offset, nbytes)]
-    if _through_page_cache(fd, offset, nbytes):
-        read_extents_through_page_cache(fd, path, extents, False)
-    else:
-        with reading_engine(path, opts, nbytes, fd) as (engine, direct_fd):
-            read_extents(engine, direct_fd, fd, path, extents, False, prefault=True)
+    _read_into(fd, path, [(ctypes.addressof(owner), offset, nbytes)], ctypes.c_uint64(0), opts)
     return owner
 
 
 def _read_run(fd: int, path: str, extents: list, progress: ctypes.c_uint64, opts, file_size: int = 0) -> None:
+    """A pass of a safe_open's reader over a run of chunks (_read_into)."""
+    _read_into(fd, path, extents, progress, opts, file_size)
+
+
+def _read_into(fd: int, path: str, extents: list, progress: ctypes.c_uint64, opts, file_size: int = 0) -> None:
     """(address, offset, nbytes) extents that follow one another in the file
     (of file_size bytes, where given), in new memory, read in one pass,
     progress set as they arrive (each extent's end, once it is in place);
