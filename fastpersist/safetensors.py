@@ -536,6 +536,7 @@ class safe_open:  # noqa: N801 - safetensors' name
         self._handed: set = set()  # names handed out whole, as views
         self._handed_bytes = 0  # their bytes
         self._held = 0  # bytes of chunks being read, or read and not yet wholly handed out
+        self._unread = 0  # chunks unread (none: nothing to read ahead, found without a scan)
         self._last = 0  # the chunk a tensor was last asked for from
         self._read_ahead = read_ahead
         self._wanted: list = []  # chunks asked for, for the reader to read first
@@ -669,6 +670,7 @@ class safe_open:  # noqa: N801 - safetensors' name
                     raise SafetensorsFileError(f"{self.path}: File is closed")
                 if self._chunks is None:
                     self._chunks, self._chunk_of = _chunks_of(self._header)
+                    self._unread = len(self._chunks)
                 index = self._chunk_of[entry.name]
                 chunk = self._chunks[index]
                 view = whole and entry.name not in self._handed
@@ -727,11 +729,13 @@ class safe_open:  # noqa: N801 - safetensors' name
         """chunk is to be read (under the lock)."""
         chunk.state = _Chunk.READING
         self._held += chunk.end - chunk.start
+        self._unread -= 1
 
     def _unclaim(self, chunk: "_Chunk") -> None:
         """chunk's read failed: unread again (under the lock)."""
         chunk.state, chunk.buffer, chunk.progress = _Chunk.UNREAD, None, None
         self._held -= chunk.end - chunk.start
+        self._unread += 1
         self._changed.notify_all()
 
     def _hand_out(self, chunk: "_Chunk", entry: _Entry, offset: int, nbytes: int, view: bool) -> torch.Tensor:
@@ -819,6 +823,8 @@ class safe_open:  # noqa: N801 - safetensors' name
         after the chunk asked for last, going round to the file's start and
         skipping any larger than the budget (maybe only a slice of such a
         tensor is wanted); None where the budget is spent."""
+        if not self._unread:  # every hand-out asks: near a large file's end, a scan of all its chunks
+            return None
         budget = self._budget()
         chunks = self._chunks
         for i in range(self._last + 1, self._last + 1 + len(chunks)):
