@@ -13,6 +13,7 @@ so the whole layout is known before a byte of tensor data is written.
 """
 from __future__ import annotations
 
+import bisect
 import ctypes
 import errno
 import io
@@ -1216,7 +1217,10 @@ class TorchArchiveReader:
         self._storage = storage  # the whole file as one UntypedStorage, when it has been read
         # read_file_into(address, offset, nbytes): the file's own bytes into memory, for storages of their own
         self._read_file_into = read_file_into
-        self._handed_out: set = set()  # ids of the records get_storage_from_record gave a slice of storage
+        # the byte spans of the image handed out as slices, by get_storage_from_record and by storage_for_key
+        # (their own: storage_for_key's loads are dropped, not mixed with the other's, when they fail)
+        self._handed_out = _Spans()
+        self._handed_out_ahead = _Spans()
         self._checksummed: Optional[bool] = None  # has_checksums, asked once
         self._guessed: dict = {}  # record name -> (record, data offset guessed by storage_for_key)
 
@@ -1281,6 +1285,10 @@ class TorchArchiveReader:
         offset = self._guess_data_offset("data/" + key, nbytes, alignment)
         if not nbytes:
             return _empty_storage()
+        if not self._handed_out_ahead.claim(offset, nbytes):
+            # two keys naming one record ("a" and "A"; "0" and "0\0z"), or records sharing bytes: torch
+            # gives each key a copy, which cannot be taken while the bytes are still being read
+            raise SharedRecordBytes(f"data/{key} shares bytes with a record handed out before")
         return _slice_storage(self._storage, offset, nbytes)
 
     def layout_offset_for_key(self, key: str, nbytes: int, alignment: int) -> int:
@@ -1321,10 +1329,18 @@ class TorchArchiveReader:
         """A slice of the file's storage, or a storage of its own, read from
         the file: without a file image (read_file_into alone), and for a
         record asked for again under another key (names are found whatever
-        their ASCII case: "data/a" and "data/A" are one record). torch's own
+        their ASCII case: "data/a" and "data/A" are one record; "data/0\\0z"
+        is "data/0", as a C string; two directory entries may name one
+        local header, or records overlap). torch's own
         reader gives every key a copy, and torch swaps a big-endian file's
         storages in place, key by key: two slices of one image would be
-        swapped twice (as they are by torch.load(mmap=True))."""
+        swapped twice (as they are by torch.load(mmap=True)).
+
+        Every storage handed out is fixed in size, as torch's record
+        storages are: set_ grows a resizable storage to fit whatever view
+        the pickle asks for, and the bytes past the record would be the
+        allocator's (another object's freed memory), where torch refuses
+        the file ("Trying to resize storage that is not resizable")."""
         if self._storage is None and self._read_file_into is None:
             raise RuntimeError("this reader has no file image to take storages from (a layout-only load)")
         r = self.index.entry(name)
@@ -1332,16 +1348,37 @@ class TorchArchiveReader:
         self.index.resolve(self._read_at, [r])
         if not nbytes:
             return _empty_storage()
-        if self._storage is not None and id(r) not in self._handed_out:
-            self._handed_out.add(id(r))
+        if self._storage is not None and self._handed_out.claim(r.data_offset, nbytes):
             return self._storage[r.data_offset:r.data_offset + nbytes]
         if self._read_file_into is None:  # the image as read (right while nothing has swapped it in place)
-            return self._storage[r.data_offset:r.data_offset + nbytes].clone()
+            return fixed_size(self._storage[r.data_offset:r.data_offset + nbytes].clone())
         import torch
 
         storage = torch.UntypedStorage(nbytes)
         self._read_file_into(storage.data_ptr(), r.data_offset, nbytes)
-        return storage
+        return fixed_size(storage)
+
+
+class SharedRecordBytes(Exception):
+    """storage_for_key was asked for bytes it has handed out already."""
+
+
+class _Spans:
+    """Byte spans [start, start + n) handed out, none overlapping another."""
+
+    def __init__(self):
+        self._starts: list = []
+        self._ends: list = []
+
+    def claim(self, start: int, n: int) -> bool:
+        """Records [start, start + n) and says True where it overlaps no
+        span recorded; else records nothing and says False."""
+        i = bisect.bisect_right(self._starts, start)
+        if (i and self._ends[i - 1] > start) or (i < len(self._starts) and self._starts[i] < start + n):
+            return False
+        self._starts.insert(i, start)
+        self._ends.insert(i, start + n)
+        return True
 
 
 def _slice_storage(storage, offset: int, nbytes: int):
@@ -1362,10 +1399,19 @@ _storage_getitem = None
 def _empty_storage():
     """An empty storage as torch's reader gives one: no data pointer, so
     torch's _load shares it with no other reference (each takes its own
-    dtype), where an empty slice of the file's storage would point into it."""
+    dtype), where an empty slice of the file's storage would point into it;
+    and fixed in size, so that no view can grow it."""
     import torch
 
-    return torch.UntypedStorage(0)
+    return fixed_size(torch.UntypedStorage(0))
+
+
+def fixed_size(storage):
+    """storage as one that cannot be resized (a slice of it, which keeps
+    it alive): what torch's reader hands its rebuild, so that a view
+    reaching past the storage is refused by set_ instead of growing it
+    over uninitialized memory."""
+    return storage[0:storage.nbytes()]
 
 
 __all__ = [
@@ -1380,6 +1426,7 @@ __all__ = [
     "RecordingZipWriter",
     "ZipLayout",
     "archive_name_for",
+    "fixed_size",
     "new_serialization_id",
     "produced_format_version",
     "write_plan",
