@@ -40,7 +40,7 @@ from .fileio import (cached_fraction, prefaulting, read_extents, read_extents_th
                      same_file)
 from .options import Options, current_options
 from ._torch_api import StoredStorage, StoredTensor
-from .torch_format import ArchiveIndex, CheckpointError, TorchArchiveReader
+from .torch_format import ArchiveIndex, CheckpointError, TorchArchiveReader, fixed_size
 
 _TRUE = ("1", "y", "yes", "true")
 
@@ -309,7 +309,8 @@ def _load_through_buffers(image: "_CheckpointImage", map_location, weights_only:
         restored = torch.UntypedStorage(storage.nbytes(), device=device)
         pieces.append(device_io.Piece(_torch_api.checkpoint_offset(storage), storage.nbytes(),
                                       device_io.byte_view(restored)))
-        return restored
+        # fixed in size, as torch's own: a view past the record is refused, never grown into fresh memory
+        return fixed_size(restored)
 
     image.prefetch_local_headers()
     reader = _DeviceTargetReader(image.index, image.read_at, source=image.path)
