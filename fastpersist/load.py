@@ -35,9 +35,8 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, NamedTuple, Optional
 
-from . import _engine, _torch_api, device_io, gc_pause
-from .fileio import (cached_fraction, prefaulting, read_extents, read_extents_through_page_cache, reading_engine,
-                     same_file)
+from . import _engine, _torch_api, device_io, gc_pause, read_pipeline
+from .fileio import reading_engine, same_file
 from .options import Options, current_options
 from ._torch_api import StoredStorage, StoredTensor
 from .torch_format import ArchiveIndex, CheckpointError, TorchArchiveReader, fixed_size
@@ -48,9 +47,9 @@ _TRUE = ("1", "y", "yes", "true")
 # ---------------------------------------------------------------------------
 # fastpersist.load
 
-# Below this, a load with no engine idle reads without one (see
-# _CheckpointImage.read_extents); one idle is used at any size.
-SMALL_LOAD_BYTES = 64 << 20
+# Below this, a load with no engine idle reads without one (see read_pipeline); one idle is used at any size.
+# (The name safetensors imports; read_pipeline.SMALL_FILE_BYTES is the one every load reads.)
+SMALL_LOAD_BYTES = read_pipeline.SMALL_FILE_BYTES
 
 
 def load(f, map_location=None, pickle_module=None, *, weights_only: Optional[bool] = None,
@@ -446,14 +445,11 @@ class _CheckpointImage:
 
         def read() -> None:
             try:
-                # fresh memory: faulted in by helper threads ahead of the copies (for
-                # the engine, started before it, which may still have to be created).
-                # Through the page cache too: a 50 MB read into fresh memory took
-                # 0.027 s with them, 0.039 s without (medians of 10 alternating fresh
-                # processes; 1.27-1.68x paired). MADV_HUGEPAGE instead made no
-                # difference there (0.047 s against 0.048 s, 5 rounds).
-                with prefaulting(extents) if fresh else contextlib.nullcontext():
-                    self.read_extents(extents, checksums=False, started=started)
+                # fresh memory: faulted in ahead of the copies, by helper threads for
+                # the engine (started before it, which may still have to be created),
+                # by the readers themselves through the page cache. MADV_HUGEPAGE
+                # instead made no difference (0.047 s against 0.048 s for 50 MB, 5 rounds).
+                self.read_extents(extents, checksums=False, started=started, fresh=fresh)
             except BaseException as exc:  # handed to finish_reading
                 self._read_error = exc
             finally:
@@ -553,28 +549,13 @@ class _CheckpointImage:
             spans.append((start, end))
         return spans
 
-    def read_extents(self, extents: list, checksums: bool, started: Optional[threading.Event] = None) -> dict:
-        """Reads (address, offset, nbytes) extents of the file (fileio.read_extents'
-        contract). A small file with no engine idle goes through the page
-        cache: creating an engine locks and registers its buffers (64 MiB by
-        default), which cost 10-140 ms here, more than reading a small file
-        takes (a 50 MB load in a fresh process took 0.17-0.21 s through a new
-        engine and 0.044-0.049 s this way, 3 rounds each). Otherwise through
-        the engine's registered buffers, copied out on its helper thread, not
-        O_DIRECT straight into the destination: the device's DMA then lands in
-        a few physically contiguous buffers instead of scattered pages (on a
-        virtio disk here, straight-in reads ran at 0.57x into fragmented
-        memory; a 2 GB load was 1.24x faster this way in a fresh process).
-        started, if given, is set once only the read's own call is left."""
-        if (self.size < SMALL_LOAD_BYTES and not _engine.has_idle(self.options, self.size)) or (
-                self.read_cached_through_page_cache and (cached_fraction(self.fd, self.size) or 0.0) >= 0.9):
-            if started is not None:
-                started.set()
-            return read_extents_through_page_cache(self.fd, self.path, extents, checksums)
-        with reading_engine(self.path, self.options, self.size, self.fd) as (engine, direct_fd):
-            if started is not None:
-                started.set()
-            return read_extents(engine, direct_fd, self.fd, self.path, extents, checksums)
+    def read_extents(self, extents: list, checksums: bool, started: Optional[threading.Event] = None,
+                     fresh: bool = False) -> dict:
+        """Reads (address, offset, nbytes) extents of the file through the read
+        pipeline (read_pipeline.read_extents' contract: the source picks the
+        page cache, in parallel, or the engine's O_DIRECT reads)."""
+        return read_pipeline.read_extents(self.fd, self.path, self.size, self.options, extents, checksums,
+                                          fresh=fresh, started=started)
 
     def copy_extents(self, extents: list, checksums: bool) -> dict:
         """read_extents' contract for a file read whole into memory already
@@ -594,7 +575,7 @@ class _CheckpointImage:
         """The file's bytes at offset into memory at address (not the image's,
         which torch may have byteswapped in place)."""
         try:
-            read_extents_through_page_cache(self.fd, self.path, [(address, offset, nbytes)], False)
+            read_pipeline.pread_extents(self.fd, self.path, [(address, offset, nbytes)], False)
         except EOFError:
             raise CheckpointError(f"{self.path}: the file ended before its {self.size} bytes were read "
                                   "(did it shrink while being read?)") from None
@@ -949,7 +930,7 @@ def _fill(image: _CheckpointImage, target, is_module: bool, strict: bool, verify
         target_flat = _flatten(target, "target")
     with contextlib.ExitStack() as stack:
         early = None
-        if read_early and image.view is None and image.size < SMALL_LOAD_BYTES and not STREAM_LOADS \
+        if read_early and image.view is None and image.size < read_pipeline.SMALL_FILE_BYTES and not STREAM_LOADS \
                 and image.headers_span_most_data() \
                 and all(v.is_cpu for v in target_flat.values() if isinstance(v, torch.Tensor)):
             early = _WholeFileRead(image)
@@ -1051,12 +1032,12 @@ class _DataAhead:
 
     @classmethod
     def begin(cls, image: _CheckpointImage) -> Optional["_DataAhead"]:
-        """None where the read goes the usual way: a small file with no
-        engine idle is read through the page cache (see
-        _CheckpointImage.read_extents; asking the kernel to read it ahead
-        while the layout runs made that slower here)."""
+        """None where the read goes the usual way: a file the pipeline reads
+        through the page cache (cached, or small with no engine idle; asking
+        the kernel to read a small one ahead while the layout runs made
+        that slower here)."""
         span = image.index.data_span()
-        if span is None or (image.size < SMALL_LOAD_BYTES and not _engine.has_idle(image.options, image.size)):
+        if span is None or read_pipeline.through_page_cache(image.fd, image.size, image.options):
             return None
         start, end = span
         # the pickle, torch's small records and the local headers first: reads queued after the data's wait for it
@@ -1288,8 +1269,7 @@ class _Plan:
                                               allow_compat=image.options.allow_gds_compat)
             if image.view is not None:  # the file is in memory (see _fill)
                 return image.copy_extents(extents, checksums)
-            with prefaulting(extents):
-                return image.read_extents(extents, checksums)
+            return image.read_extents(extents, checksums, fresh=True)  # a model built on meta: fresh memory
         except EOFError:
             raise CheckpointError(f"{image.path}: the file ended early while reading tensors "
                                   "(did it shrink while being read?)") from None

@@ -48,6 +48,11 @@ class Options:
         the buffers, saying why once in the log. A file cuFile refuses goes
         through the buffers (logged once per reason, counted in
         ``fastpersist.gds.stats()``).
+    read_threads: threads that read a file through the page cache at once
+        (a file in the page cache, on tmpfs, or small): each preads its own
+        pieces straight into their destinations, faulting fresh memory in
+        as it goes; 0 (the default) picks the CPUs this process may run on,
+        at least 2 and at most 8.
     allow_gds_compat: ``transfer="gds"`` may run where cuFile can only run in
         its compatibility mode (no nvidia-fs: POSIX I/O through cuFile's own
         bounce buffers), said in the log as such; ``auto`` never takes it.
@@ -74,6 +79,7 @@ class Options:
     compare_replicas: bool = True
     transfer: str = "auto"
     allow_gds_compat: bool = False
+    read_threads: int = 0
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -95,6 +101,9 @@ class Options:
                              "seconds >= 0 (0: freed load memory is given back at once)")
         if not isinstance(self.max_engines, int) or self.max_engines < 1:
             raise ValueError(f"fastpersist option max_engines={self.max_engines!r}: expected an integer >= 1")
+        if not isinstance(self.read_threads, int) or not 0 <= self.read_threads <= 256:
+            raise ValueError(f"fastpersist option read_threads={self.read_threads!r}: expected 0..256 "
+                             "(0: the CPUs this process may run on, 2 to 8)")
         if not isinstance(self.queue_depth, int) or not 1 <= self.queue_depth <= 4096:
             raise ValueError(f"fastpersist option queue_depth={self.queue_depth!r}: expected 1..4096")
         if self.request_size > self.buffer_size:

@@ -67,6 +67,24 @@ def _restore_patching():
     assert torch.load is fastpersist.patching.original_load()
 
 
+@pytest.fixture(autouse=True)
+def _engine_reads_cached_files(monkeypatch):
+    """Loads read through the engine as for a file not in the page cache:
+    every file a test writes is in the page cache, and would otherwise never
+    reach the engine. Tests of the page-cache mode ask for it (page_cache_reads)."""
+    from fastpersist import read_pipeline
+
+    monkeypatch.setattr(read_pipeline, "CACHED_ENOUGH", 2.0)
+
+
+@pytest.fixture
+def page_cache_reads(monkeypatch):
+    """Loads of cached files read as users' do: through the page cache, in parallel."""
+    from fastpersist import read_pipeline
+
+    monkeypatch.setattr(read_pipeline, "CACHED_ENOUGH", 0.9)
+
+
 @pytest.fixture
 def folder(tmp_path):
     """A folder on a real disk filesystem (tmp_path is on the root filesystem here)."""

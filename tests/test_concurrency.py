@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fastpersist
-from fastpersist import FastFileWriter, _engine
+from fastpersist import FastFileWriter, _engine, read_pipeline
 from fastpersist.options import from_environment
 
 from conftest import ENGINES, fork_child, leftovers, vanilla_load
@@ -400,7 +400,7 @@ def replaced_at_the_direct_open(folder, monkeypatch):
     from fastpersist.patching import original_save
 
     load_module = importlib.import_module("fastpersist.load")
-    monkeypatch.setattr(load_module, "SMALL_LOAD_BYTES", 0)
+    monkeypatch.setattr(read_pipeline, "SMALL_FILE_BYTES", 0)
     latest, incoming = folder / "latest.pt", folder / "incoming.pt"
     original_save()({"w": torch.ones(300_000)}, latest)
     original_save()({"w": torch.full((300_000,), 7.0)}, incoming)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import fastpersist
+from fastpersist import read_pipeline
 from fastpersist.patching import original_load, original_save
 
 from conftest import SMALL, mounted, torch_save_setting
@@ -74,7 +75,7 @@ def test_small_loads_read_without_an_engine_unless_one_is_idle(folder, monkeypat
     state = {"w": torch.randn(300, 300), "b": torch.arange(7), "step": 3}
     original_save()(state, folder / "s.pt")
     ways = []
-    for module, name in ((load_module, "read_extents_through_page_cache"), (load_module, "read_extents"),
+    for module, name in ((read_pipeline, "pread_extents"), (read_pipeline, "engine_read_extents"),
                          (device_io.PullRead, "deliver")):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **k: (ways.append(_name),
@@ -90,18 +91,18 @@ def test_small_loads_read_without_an_engine_unless_one_is_idle(folder, monkeypat
 
     _engine.clear_pool()
     each_way()
-    assert ways == ["read_extents_through_page_cache"] * 3 and _engine.pool_size() == 0
+    assert ways == ["pread_extents"] * 3 and _engine.pool_size() == 0
     _engine.release(_engine.acquire(current_options()))
     ways.clear()
     each_way()
     # the idle engine read it (load_into's read begins before the layout: the engine's pull read)
-    assert ways == ["read_extents"] + ["deliver"] * 2 and _engine.pool_size() == 1
-    monkeypatch.setattr(load_module, "SMALL_LOAD_BYTES", 0)
+    assert ways == ["engine_read_extents"] + ["deliver"] * 2 and _engine.pool_size() == 1
+    monkeypatch.setattr(read_pipeline, "SMALL_FILE_BYTES", 0)
     _engine.clear_pool()
     ways.clear()
     each_way()
     # at any size above it, an engine is made
-    assert ways == ["read_extents"] + ["deliver"] * 2 and _engine.pool_size() == 1
+    assert ways == ["engine_read_extents"] + ["deliver"] * 2 and _engine.pool_size() == 1
 
 
 def test_a_small_load_into_with_no_engine_verifies_and_refuses_a_corrupt_file(folder):
@@ -334,11 +335,11 @@ def test_plain_state_dicts_are_built_while_the_file_is_read(folder, monkeypatch,
 
         waited = []
 
-        def read_extents(image, extents, checksums, started=None):
+        def read_extents(image, extents, checksums, started=None, fresh=False):
             if started is not None:
                 started.set()
             waited.append(unpickling.wait(10))
-            return real_read(image, extents, checksums)
+            return real_read(image, extents, checksums, fresh=fresh)
 
         monkeypatch.setattr(load_module._torch_api, "unpickle_plain_state", unpickle)
         monkeypatch.setattr(load_module._CheckpointImage, "read_extents", read_extents)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import fastpersist
+from fastpersist import read_pipeline
 from fastpersist.patching import original_load, original_save
 
 from conftest import SMALL, torch_save_setting
@@ -186,7 +187,7 @@ def test_a_foreign_file_whose_small_records_share_a_guessed_place_is_laid_out_ag
     with zipfile.ZipFile(folder / "torch.pt") as src, zipfile.ZipFile(folder / "foreign.pt", "w") as dst:
         for info in src.infolist():
             dst.writestr(info.filename, src.read(info))
-    monkeypatch.setattr(load_module, "SMALL_LOAD_BYTES", 0)  # as with a large file: the engine reads ahead
+    monkeypatch.setattr(read_pipeline, "SMALL_FILE_BYTES", 0)  # as with a large file: the engine reads ahead
     target = {k: torch.zeros_like(v) for k, v in state.items()}
     fastpersist.load_into(target, folder / "foreign.pt")
     for k, v in state.items():
@@ -228,7 +229,7 @@ def test_the_read_begins_before_the_layout_and_a_wrong_guess_writes_nothing(fold
 
     monkeypatch.setattr(device_io.PullRead, "__init__", begin)
     monkeypatch.setattr(load_module._torch_api, "unpickle_plain_state", unpickle)
-    monkeypatch.setattr(load_module, "SMALL_LOAD_BYTES", 0)  # as with an engine idle
+    monkeypatch.setattr(read_pipeline, "SMALL_FILE_BYTES", 0)  # as with an engine idle
     for name, passes in (("torch.pt", ["read begun", "unpickle"]),
                          ("foreign.pt", ["read begun", "unpickle", "unpickle"])):
         for verify in (False, True):

@@ -1,0 +1,189 @@
+"""The read pipeline (fastpersist.read_pipeline): parallel reads through the
+page cache land every byte where asked, with the CRCs of what they read;
+the source picks the mode per file; every load reads through it."""
+import ctypes
+import mmap
+import os
+import random
+import threading
+import zlib
+
+import pytest
+import torch
+
+import fastpersist
+from fastpersist import _engine, read_pipeline
+from fastpersist.options import Options
+from fastpersist.patching import original_load, original_save
+
+MiB = 1 << 20
+
+
+def _file(folder, size: int, seed: int = 0):
+    path = folder / "data.bin"
+    path.write_bytes(random.Random(seed).randbytes(size))
+    return path
+
+
+def _extents(rng: random.Random, size: int, base: int, count: int):
+    """Extents of the file (small and large, gaps, repeats, overlaps), each
+    with a destination of its own in the memory at base."""
+    extents, at = [], 0
+    for _ in range(count):
+        kind = rng.random()
+        if kind < 0.5:
+            n = rng.randrange(0, 9000)  # small, as a checkpoint's biases and norms
+        elif kind < 0.8:
+            n = rng.randrange(1, 3 * read_pipeline.PIECE)  # cut into pieces
+        else:
+            n = rng.randrange(read_pipeline.PIECE - 4096, read_pipeline.PIECE + 4096)
+        offset = rng.randrange(0, size - n + 1)
+        extents.append((base + at, offset, n))
+        at += n + rng.randrange(0, 64)  # unaligned destinations too
+    extents.append(extents[len(extents) // 2])  # the same bytes asked twice (tied weights): read once
+    return extents, at
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+@pytest.mark.parametrize("populate", [False, True])
+def test_parallel_reads_land_every_extent_with_its_crc(folder, threads, populate):
+    size = 40 * MiB + 123
+    path = _file(folder, size, threads)
+    data = path.read_bytes()
+    rng = random.Random(threads * 2 + populate)
+    memory = mmap.mmap(-1, 1 << 30)  # touched only where the extents land
+    base = ctypes.addressof(ctypes.c_char.from_buffer(memory))
+    extents, used = _extents(rng, size, base, 40)
+    assert used <= len(memory)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        crcs = read_pipeline.pread_extents(fd, str(path), extents, checksums=True, threads=threads,
+                                           populate=populate)
+    finally:
+        os.close(fd)
+    for address, offset, n in extents:
+        got = memory[address - base:address - base + n]
+        assert got == data[offset:offset + n], (offset, n)
+        if n:
+            assert crcs[offset, n] == zlib.crc32(data[offset:offset + n]), (offset, n)
+    assert len(crcs) == len({(o, n) for _, o, n in extents if n})
+
+
+def test_a_large_read_is_shared_among_the_threads(folder, monkeypatch):
+    path = _file(folder, 64 * MiB)
+    readers = set()
+    real = read_pipeline._read_unit
+
+    def spy(*args, **kwargs):
+        readers.add(threading.get_ident())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(read_pipeline, "_read_unit", spy)
+    target = torch.empty(64 * MiB, dtype=torch.uint8)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        read_pipeline.pread_extents(fd, str(path), [(target.data_ptr(), 0, 64 * MiB)], False, threads=4)
+    finally:
+        os.close(fd)
+    assert len(readers) == 4
+    assert bytes(target.numpy()) == path.read_bytes()
+
+
+def test_a_file_that_ends_early_raises_eoferror(folder):
+    path = _file(folder, 3 * read_pipeline.PIECE)
+    target = torch.empty(4 * read_pipeline.PIECE, dtype=torch.uint8)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(EOFError):
+            read_pipeline.pread_extents(fd, str(path), [(target.data_ptr(), 0, 4 * read_pipeline.PIECE)], False,
+                                        threads=4)
+    finally:
+        os.close(fd)
+
+
+def test_an_error_names_the_file_and_offset(folder):
+    path = _file(folder, 16 * MiB)
+    target = torch.empty(16 * MiB, dtype=torch.uint8)
+    fd = os.open(path, os.O_WRONLY)  # reading a write-only descriptor: EBADF
+    try:
+        with pytest.raises(OSError, match=r"page-cache read at offset \d+") as raised:
+            read_pipeline.pread_extents(fd, str(path), [(target.data_ptr(), 0, 16 * MiB)], False, threads=2)
+        assert raised.value.filename == str(path)
+    finally:
+        os.close(fd)
+
+
+def test_read_threads_default_and_option():
+    assert 2 <= read_pipeline.read_threads(Options()) <= 8
+    assert read_pipeline.read_threads(Options(read_threads=5)) == 5
+    with pytest.raises(ValueError, match="read_threads"):
+        Options(read_threads=-1)
+
+
+def _evicted(path) -> bool:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        from fastpersist.fileio import cached_fraction
+
+        return (cached_fraction(fd, os.fstat(fd).st_size) or 0.0) < 0.5
+    finally:
+        os.close(fd)
+
+
+def test_the_source_decides_the_mode(folder, page_cache_reads, monkeypatch):
+    """A file in the page cache is read from there; one that is not, from
+    the device through the engine; a small one with no engine idle, from
+    the page cache."""
+    path = _file(folder, 80 * MiB)
+    options = Options()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.pread(fd, 80 * MiB, 0)
+        assert read_pipeline.through_page_cache(fd, 80 * MiB, options)
+        if not _evicted(path):
+            pytest.skip("this filesystem keeps the file in the page cache")
+        assert not read_pipeline.through_page_cache(fd, 80 * MiB, options)
+        _engine.clear_pool()
+        assert read_pipeline.through_page_cache(fd, 80 * MiB, options) is False
+        monkeypatch.setattr(read_pipeline, "SMALL_FILE_BYTES", 100 * MiB)
+        assert read_pipeline.through_page_cache(fd, 80 * MiB, options)  # small, and no engine idle
+    finally:
+        os.close(fd)
+
+
+def _state():
+    g = torch.Generator().manual_seed(0)
+    return {"emb": torch.randn(3000, 1024, generator=g), "tied": None, "b": torch.randn(7, generator=g),
+            "h": torch.randn(512, 512, generator=g).half(), "step": 11}
+
+
+@pytest.mark.parametrize("cached", [True, False], ids=["page-cache", "engine"])
+def test_every_load_reads_through_the_pipeline(folder, monkeypatch, page_cache_reads, cached):
+    """torch loads, load_into and safetensors' loads, cached or not, give
+    what torch (or safetensors) gives, through the mode the file calls for."""
+    state = _state()
+    state["tied"] = state["emb"]
+    original_save()(state, folder / "s.pt")
+    if not cached and not _evicted(folder / "s.pt"):
+        pytest.skip("this filesystem keeps the file in the page cache")
+    modes = []
+    real_pread, real_engine = read_pipeline.pread_extents, read_pipeline.engine_read_extents
+    monkeypatch.setattr(read_pipeline, "pread_extents", lambda *a, **k: (modes.append("pread"), real_pread(*a, **k))[1])
+    monkeypatch.setattr(read_pipeline, "engine_read_extents",
+                        lambda *a, **k: (modes.append("engine"), real_engine(*a, **k))[1])
+    _engine.release(_engine.acquire(fastpersist.options.current_options()))  # an engine idle: no small-file rule
+    ours = fastpersist.load(folder / "s.pt")
+    assert modes == (["pread"] if cached else ["engine"])
+    theirs = original_load()(folder / "s.pt")  # after: its read brings the file into the page cache
+    assert ours["emb"].data_ptr() == ours["tied"].data_ptr()
+    for k in ("emb", "b", "h"):
+        assert torch.equal(ours[k], theirs[k])
+    target = {"emb": torch.zeros(3000, 1024), "tied": torch.zeros(3000, 1024), "b": torch.zeros(7),
+              "h": torch.zeros(512, 512, dtype=torch.half), "step": 0}
+    if not cached:
+        _evicted(folder / "s.pt")
+    fastpersist.load_into(target, folder / "s.pt", verify=True)
+    for k in ("emb", "tied", "b", "h"):
+        assert torch.equal(target[k], theirs[k])
