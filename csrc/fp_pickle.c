@@ -16,6 +16,7 @@ enum {
     PLAIN, PLAIN_TUPLE, EMPTY_TUPLE, TUPLE, LIST, DICT, ORDERED_DICT, TENSOR, PARAMETER, STORAGE,
     STORAGE_ID, TENSOR_ARGS, PARAMETER_ARGS, ORDERED_DICT_CLASS, REBUILD_TENSOR, REBUILD_PARAMETER,
     STORAGE_CLASS,
+    UNBUILT_ORDERED_DICT, /* OrderedDict() as REDUCE made it, never BUILT, not in the memo: BUILD takes it once */
 };
 
 struct grow {
@@ -59,6 +60,11 @@ static int is_size(uint8_t k)
     return k == PLAIN_TUPLE || k == EMPTY_TUPLE;
 }
 
+static int is_ordered_dict(uint8_t k)
+{
+    return k == ORDERED_DICT || k == UNBUILT_ORDERED_DICT;
+}
+
 static uint8_t tuple_kind(const uint8_t *items, size_t n)
 {
     size_t i;
@@ -72,10 +78,10 @@ static uint8_t tuple_kind(const uint8_t *items, size_t n)
     if (n == 5 && items[0] == PLAIN && items[1] == STORAGE_CLASS && items[2] == PLAIN && items[3] == PLAIN &&
         items[4] == PLAIN)
         return STORAGE_ID;
-    if (n == 3 && items[0] == TENSOR && items[1] == PLAIN && items[2] == ORDERED_DICT)
+    if (n == 3 && items[0] == TENSOR && items[1] == PLAIN && is_ordered_dict(items[2]))
         return PARAMETER_ARGS;
     if (n == 6 && items[0] == STORAGE && items[1] == PLAIN && is_size(items[2]) && is_size(items[3]) &&
-        items[4] == PLAIN && items[5] == ORDERED_DICT)
+        items[4] == PLAIN && is_ordered_dict(items[5]))
         return TENSOR_ARGS;
     return TUPLE;
 }
@@ -83,7 +89,7 @@ static uint8_t tuple_kind(const uint8_t *items, size_t n)
 static int call_kind(uint8_t callable, uint8_t args)
 {
     if (callable == ORDERED_DICT_CLASS && args == EMPTY_TUPLE)
-        return ORDERED_DICT;
+        return UNBUILT_ORDERED_DICT;
     if (callable == REBUILD_TENSOR && args == TENSOR_ARGS)
         return TENSOR;
     if (callable == REBUILD_PARAMETER && args == PARAMETER_ARGS)
@@ -127,17 +133,21 @@ static int scan(const uint8_t *data, size_t end, const uint8_t *globals, size_t 
         case 'q': /* BINPUT */
         case 'r': { /* LONG_BINPUT */
             size_t index;
+            uint8_t kind;
             if (!memo_index(data, end, &pos, op == 'r', &index))
                 return 0;
             if (FRAME == 0)
                 return 0;
+            kind = STACK[SP - 1];
+            if (kind == UNBUILT_ORDERED_DICT) /* a second reference: never BUILT through */
+                kind = ORDERED_DICT;
             /* torch.save numbers memo entries 0, 1, 2...: a later index would
              * make the C unpickler grow its memo to it */
             if (index == memo_g->n) {
-                if (grow_push(memo_g, &STACK[SP - 1]))
+                if (grow_push(memo_g, &kind))
                     return -ENOMEM;
             } else if (index < memo_g->n) {
-                MEMO[index] = STACK[SP - 1];
+                MEMO[index] = kind;
             } else {
                 return 0;
             }
@@ -244,7 +254,7 @@ static int scan(const uint8_t *data, size_t end, const uint8_t *globals, size_t 
             if (FRAME == 0)
                 return 0;
             target = STACK[SP - 1];
-            if ((target != DICT && target != ORDERED_DICT) || n % 2)
+            if ((target != DICT && !is_ordered_dict(target)) || n % 2)
                 return 0;
             for (i = 0; i < n; i += 2) /* keys: comparing plain values reads no tensor */
                 if (STACK[start + i] != PLAIN)
@@ -252,7 +262,7 @@ static int scan(const uint8_t *data, size_t end, const uint8_t *globals, size_t 
             break;
         }
         case 's': /* SETITEM */
-            if (FRAME < 3 || (STACK[SP - 3] != DICT && STACK[SP - 3] != ORDERED_DICT) || STACK[SP - 2] != PLAIN)
+            if (FRAME < 3 || (STACK[SP - 3] != DICT && !is_ordered_dict(STACK[SP - 3])) || STACK[SP - 2] != PLAIN)
                 return 0;
             SP -= 2;
             break;
@@ -272,10 +282,11 @@ static int scan(const uint8_t *data, size_t end, const uint8_t *globals, size_t 
             if (FRAME == 0 || STACK[SP - 1] != LIST)
                 return 0;
             break;
-        case 'b': /* BUILD */
-            if (!(build_ordered_dict && FRAME >= 2 && STACK[SP - 2] == ORDERED_DICT && STACK[SP - 1] == DICT))
+        case 'b': /* BUILD: once, on a new OrderedDict (CPython's would call a __setstate__ a first BUILD set) */
+            if (!(build_ordered_dict && FRAME >= 2 && STACK[SP - 2] == UNBUILT_ORDERED_DICT && STACK[SP - 1] == DICT))
                 return 0;
             SP -= 1;
+            STACK[SP - 1] = ORDERED_DICT;
             break;
         case 'U': /* SHORT_BINSTRING */
         case 0x8a: /* LONG1 */

@@ -13,8 +13,9 @@ fp_pickle_scan, ~0.2 us a tensor where this module's Python form,
 ``admits_here``, takes ~10) that follows each
 value's kind (what built it) the way torch's unpickler would, and answers
 True only where the pickle is a state dict as torch.save writes it: the
-opcodes torch implements, globals among ``GLOBALS`` below, BUILD only of an
-OrderedDict's attributes from a dict, SETITEM(S) only into dicts and
+opcodes torch implements, globals among ``GLOBALS`` below, BUILD only of a
+new OrderedDict's attributes from a dict, once (see UNBUILT_ORDERED_DICT),
+SETITEM(S) only into dicts and
 OrderedDicts with keys that are plain values, APPEND(S) only onto lists,
 calls only with the arguments torch.save writes (so that no call reads a
 tensor's data while the file is still being read into it), memo indices
@@ -42,7 +43,7 @@ EMPTY_TUPLE = 2
 TUPLE = 3            # any other tuple
 LIST = 4
 DICT = 5
-ORDERED_DICT = 6     # collections.OrderedDict(), as REDUCE made it
+ORDERED_DICT = 6     # an OrderedDict that BUILD may not touch: one already BUILT, or a memo's reference
 TENSOR = 7           # _rebuild_tensor_v2's
 PARAMETER = 8        # _rebuild_parameter's
 STORAGE = 9          # persistent_load's
@@ -53,6 +54,15 @@ ORDERED_DICT_CLASS = 13
 REBUILD_TENSOR = 14
 REBUILD_PARAMETER = 15
 STORAGE_CLASS = 16
+# collections.OrderedDict() as REDUCE made it, and the only reference to it:
+# never BUILT, so its __dict__ is empty (nothing else writes there). BUILD
+# takes it once and leaves an ORDERED_DICT; PUT memoizes an ORDERED_DICT, so
+# no GET brings it back buildable. CPython's BUILD looks __setstate__ up on
+# the instance (a first BUILD's state could set one, and a second BUILD
+# would call it: the OrderedDict class, whose call drops the state) where
+# torch's updates __dict__; on an object BUILT once they agree.
+UNBUILT_ORDERED_DICT = 17
+_ORDERED_DICTS = (ORDERED_DICT, UNBUILT_ORDERED_DICT)
 
 # GLOBAL's two lines, exactly as they must appear (torch's NAME_MAPPING and
 # IMPORT_MAPPING leave these names as they are). TypedStorage and
@@ -69,19 +79,21 @@ for _cls in torch._storage_classes:
 
 _SIZES = (PLAIN_TUPLE, EMPTY_TUPLE)
 # what TUPLE makes of items of these kinds (other than all-plain ones)
-_TUPLES = {(PLAIN, STORAGE_CLASS, PLAIN, PLAIN, PLAIN): STORAGE_ID,
-           (TENSOR, PLAIN, ORDERED_DICT): PARAMETER_ARGS}
-_TUPLES.update(((STORAGE, PLAIN, size, stride, PLAIN, ORDERED_DICT), TENSOR_ARGS)
-               for size, stride in itertools.product(_SIZES, _SIZES))
+_TUPLES = {(PLAIN, STORAGE_CLASS, PLAIN, PLAIN, PLAIN): STORAGE_ID}
+_TUPLES.update(((TENSOR, PLAIN, hooks), PARAMETER_ARGS) for hooks in _ORDERED_DICTS)
+_TUPLES.update(((STORAGE, PLAIN, size, stride, PLAIN, hooks), TENSOR_ARGS)
+               for size, stride, hooks in itertools.product(_SIZES, _SIZES, _ORDERED_DICTS))
 # REDUCE: (the callable's kind, its arguments' kind) -> the result's kind.
 # _rebuild_tensor_v2's seventh argument (neg/conj bits) is left to torch: it
 # would call into C++ with a dict whose values could be tensors.
-_CALLS = {(ORDERED_DICT_CLASS, EMPTY_TUPLE): ORDERED_DICT,
+_CALLS = {(ORDERED_DICT_CLASS, EMPTY_TUPLE): UNBUILT_ORDERED_DICT,
           (REBUILD_TENSOR, TENSOR_ARGS): TENSOR,
           (REBUILD_PARAMETER, PARAMETER_ARGS): PARAMETER}
 
 # CPython's BUILD calls __setstate__ where the object has one; torch's
-# updates __dict__. They agree on an OrderedDict only while it has none.
+# updates __dict__. They agree on an OrderedDict only while it has none: its
+# class here (a new one's __dict__ is empty, and UNBUILT_ORDERED_DICT keeps
+# BUILD to new ones).
 _BUILD_ORDERED_DICT = not hasattr(collections.OrderedDict(), "__setstate__")
 
 
@@ -155,10 +167,13 @@ def _admits(data: bytes) -> bool:
                 pos += 1
             # torch.save numbers its memo entries 0, 1, 2...: a later index
             # would make the C unpickler grow its memo to it (GBs for 2**28)
+            kind = stack[-1]
+            if kind == UNBUILT_ORDERED_DICT:  # a second reference: never BUILT through
+                kind = ORDERED_DICT
             if index == len(memo):
-                memo.append(stack[-1])
+                memo.append(kind)
             elif index < len(memo):
-                memo[index] = stack[-1]
+                memo[index] = kind
             else:
                 return False
         elif op == _BININT1:
@@ -218,12 +233,12 @@ def _admits(data: bytes) -> bool:
             items = stack
             stack = marks.pop()
             push = stack.append
-            if stack[-1] not in (DICT, ORDERED_DICT) or len(items) % 2:
+            if stack[-1] not in (DICT, ORDERED_DICT, UNBUILT_ORDERED_DICT) or len(items) % 2:
                 return False
             if items and max(items[0::2]) != PLAIN:  # keys: comparing plain values reads no tensor
                 return False
         elif op == _SETITEM:
-            if len(stack) < 3 or stack[-3] not in (DICT, ORDERED_DICT) or stack[-2] != PLAIN:
+            if len(stack) < 3 or stack[-3] not in (DICT, ORDERED_DICT, UNBUILT_ORDERED_DICT) or stack[-2] != PLAIN:
                 return False
             del stack[-2:]
         elif op == _EMPTY_DICT:
@@ -240,9 +255,11 @@ def _admits(data: bytes) -> bool:
             if stack[-1] != LIST:
                 return False
         elif op == _BUILD:
-            if not (_BUILD_ORDERED_DICT and len(stack) >= 2 and stack[-2] == ORDERED_DICT and stack[-1] == DICT):
+            if not (_BUILD_ORDERED_DICT and len(stack) >= 2 and stack[-2] == UNBUILT_ORDERED_DICT
+                    and stack[-1] == DICT):
                 return False
             stack.pop()
+            stack[-1] = ORDERED_DICT
         elif op == _SHORT_BINSTRING or op == _LONG1:
             pos += 1 + data[pos]
             if pos > end:

@@ -97,3 +97,67 @@ def test_a_tensor_built_by_hand_is_admitted_and_a_stray_build_is_not():
     # BUILD on the rebuild function (it would set attributes on it for the whole process)
     assert not agree(tensor[:-1] + b"h\x00}b.")
     assert not agree(b"\x80\x02ccollections\nOrderedDict\n}b.")
+
+
+# -- BUILD: once, on a new OrderedDict ---------------------------------------------------
+# CPython's BUILD looks __setstate__ up on the instance and calls it; torch's
+# updates the OrderedDict's __dict__. A first BUILD can set __setstate__
+# (to a global the pickle may name), and a second BUILD on the same object
+# then runs it in the C unpickler where torch would set attributes.
+
+def _build_cases():
+    from test_load_trust import NEW_ORDERED_DICT, ORDERED_DICT, REBUILD, glob, program, small, state, tensor, text
+
+    metadata = state(_metadata=NEW_ORDERED_DICT + text("") + state(version=small(1)) + pickle.SETITEM)
+    items = pickle.MARK + text("w") + tensor() + pickle.SETITEMS
+    sets = {"the OrderedDict class": ORDERED_DICT, "_rebuild_tensor_v2": REBUILD,
+            "a storage class": glob("torch", "FloatStorage")}
+    twice = {f"BUILD twice, the first setting __setstate__ to {name}":
+             program(NEW_ORDERED_DICT + pickle.BINPUT + b"\x00" + items + state(__setstate__=value) + pickle.BUILD
+                     + metadata + pickle.BUILD)
+             for name, value in sets.items()}
+    twice["BUILD again through the memo"] = program(state(
+        a=NEW_ORDERED_DICT + pickle.BINPUT + b"\x00" + items + state(__setstate__=ORDERED_DICT) + pickle.BUILD,
+        b=pickle.BINGET + b"\x00" + metadata + pickle.BUILD))
+    twice["BUILD on a memo's reference to a new OrderedDict"] = program(state(
+        a=NEW_ORDERED_DICT + pickle.BINPUT + b"\x00", b=pickle.BINGET + b"\x00" + metadata + pickle.BUILD))
+    once = {
+        "a state dict as torch.save writes it": program(NEW_ORDERED_DICT + pickle.BINPUT + b"\x00" + items
+                                                        + metadata + pickle.BUILD),
+        "one BUILD whose state holds __setstate__": program(NEW_ORDERED_DICT + items + state(__setstate__=ORDERED_DICT)
+                                                            + pickle.BUILD),
+        "one BUILD whose state has keys that are not strings": program(
+            NEW_ORDERED_DICT + pickle.EMPTY_DICT + pickle.MARK + small(1) + small(2) + pickle.NONE + small(3)
+            + pickle.SETITEMS + pickle.BUILD),
+        "one BUILD setting __dict__ and __class__": program(NEW_ORDERED_DICT + state(__dict__=state(x=small(1)),
+                                                                                    __class__=ORDERED_DICT)
+                                                            + pickle.BUILD),
+        "a None state": program(NEW_ORDERED_DICT + pickle.NONE + pickle.BUILD),
+    }
+    return twice, once
+
+
+BUILD_TWICE, BUILD_ONCE = _build_cases()
+
+
+@pytest.mark.parametrize("name", list(BUILD_TWICE))
+def test_a_second_build_on_one_ordered_dict_goes_to_torch(folder, name):
+    from test_load_trust import check_case
+
+    check_case(folder, BUILD_TWICE[name])
+    assert not agree(BUILD_TWICE[name])
+
+
+@pytest.mark.parametrize("name", list(BUILD_ONCE))
+def test_one_build_on_a_new_ordered_dict_loads_as_torch_loads_it(folder, name):
+    from test_load_trust import check_case
+
+    agree(BUILD_ONCE[name])
+    check_case(folder, BUILD_ONCE[name])
+
+
+def test_torch_saves_state_dicts_are_still_admitted_after_the_build_rule(folder):
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.LayerNorm(2)))
+    for obj in [model.state_dict(), {"a": model.state_dict(), "b": model.state_dict()},
+                [model.state_dict()] * 2]:
+        assert agree(torch_pickle(obj))
