@@ -59,8 +59,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from . import _torch_api, torch_format
-from .fileio import read_extents, reading_engine
+from . import _torch_api, read_pipeline, torch_format
 from .options import Options, current_options
 from .writer import FastFileWriter
 
@@ -364,25 +363,24 @@ class FastPersistReader(_CheckpointFolder, StorageReader):
         (or one larger item) and copied out."""
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            with reading_engine(path, opts, 0, fd) as (engine, direct_fd):
-                large = [it for it in items if it.type != LoadItemType.BYTE_IO and self._length(it) >= _DIRECT_MIN]
-                small = [it for it in items if not (it.type != LoadItemType.BYTE_IO and self._length(it) >= _DIRECT_MIN)]
-                direct, staged = self._plan_direct(path, large, planner, fd)
-                if direct:
-                    self._read_extents(path, engine, direct_fd, fd,
-                                       [(target.data_ptr(), start, n) for _, target, start, n in direct],
-                                       prefault=True)
-                    for item, target, _, _ in direct:
-                        planner.commit_tensor(item, target)
-                staged = sorted(staged + small, key=lambda it: self.storage_data[it.storage_index].offset)
-                start = 0
-                while start < len(staged):
-                    end, total = start, 0
-                    while end < len(staged) and (end == start or total + self._length(staged[end]) <= _READ_BATCH):
-                        total += self._length(staged[end])
-                        end += 1
-                    self._read_batch(path, staged[start:end], planner, engine, direct_fd, fd, staging.get(total))
-                    start = end
+            source = (fd, path, os.fstat(fd).st_size, opts)  # read through the read pipeline, its mode its own
+            large = [it for it in items if it.type != LoadItemType.BYTE_IO and self._length(it) >= _DIRECT_MIN]
+            small = [it for it in items if not (it.type != LoadItemType.BYTE_IO and self._length(it) >= _DIRECT_MIN)]
+            direct, staged = self._plan_direct(path, large, planner, fd)
+            if direct:
+                self._read_extents(source, [(target.data_ptr(), start, n) for _, target, start, n in direct],
+                                   fresh=True)
+                for item, target, _, _ in direct:
+                    planner.commit_tensor(item, target)
+            staged = sorted(staged + small, key=lambda it: self.storage_data[it.storage_index].offset)
+            start = 0
+            while start < len(staged):
+                end, total = start, 0
+                while end < len(staged) and (end == start or total + self._length(staged[end]) <= _READ_BATCH):
+                    total += self._length(staged[end])
+                    end += 1
+                self._read_batch(source, staged[start:end], planner, staging.get(total))
+                start = end
         finally:
             os.close(fd)
 
@@ -419,24 +417,25 @@ class FastPersistReader(_CheckpointFolder, StorageReader):
         return direct, staged
 
     @staticmethod
-    def _read_extents(path: str, engine, direct_fd: int, fd: int, extents: list, prefault: bool = False) -> None:
+    def _read_extents(source: tuple, extents: list, fresh: bool = False) -> None:
+        fd, path, size, opts = source
         try:
-            read_extents(engine, direct_fd, fd, path, extents, checksums=False, prefault=prefault)
+            read_pipeline.read_extents(fd, path, size, opts, extents, checksums=False, fresh=fresh)
         except EOFError:
             raise _incomplete(path) from None
 
     def _length(self, item) -> int:
         return self.storage_data[item.storage_index].length
 
-    def _read_batch(self, path: str, items: list, planner: LoadPlanner, engine, direct_fd: int, fd: int,
-                    memory: "_Memory") -> None:
+    def _read_batch(self, source: tuple, items: list, planner: LoadPlanner, memory: "_Memory") -> None:
+        path = source[1]
         placed, extents, cursor = [], [], 0
         for item in items:
             info = self.storage_data[item.storage_index]
             placed.append((item, info, cursor))
             extents.append((memory.address + cursor, info.offset, info.length))
             cursor += -(-info.length // 64) * 64
-        self._read_extents(path, engine, direct_fd, fd, extents)
+        self._read_extents(source, extents)
         for item, info, at in placed:
             if item.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(item, io.BytesIO(bytes(memory.view[at:at + info.length])))

@@ -206,13 +206,13 @@ def test_large_tensors_are_read_straight_into_place_and_others_staged(tmp_path, 
     out = zeros_like(sd)
     out["model"]["t"] = torch.zeros(300, 400).t()  # a non-contiguous target: staged, then copied
     destinations = []
-    real = fp_dcp.read_extents
+    real = fp_dcp.read_pipeline.read_extents
 
-    def spy(engine, direct_fd, fd, path, extents, checksums, **kwargs):
+    def spy(fd, path, size, options, extents, checksums, **kwargs):
         destinations.extend(address for address, _, _ in extents)
-        return real(engine, direct_fd, fd, path, extents, checksums, **kwargs)
+        return real(fd, path, size, options, extents, checksums, **kwargs)
 
-    monkeypatch.setattr(fp_dcp, "read_extents", spy)
+    monkeypatch.setattr(fp_dcp.read_pipeline, "read_extents", spy)
     dcp.load(out, storage_reader=FastPersistReader(tmp_path), no_dist=True)
     assert_same(out, sd)
     assert out["model"]["w"].data_ptr() in destinations  # 1.4 MB: no staging, no copy
@@ -388,3 +388,20 @@ def test_ranks_save_load_async_save_fail_and_reshard_from_two_ranks_to_four(tmp_
     assert "__0_0.distcp" in names and "__1_0.distcp" in names and len(names) == 4
     save(state(), FastPersistWriter(tmp_path / "fp"))
     assert len(files(tmp_path / "fp")) == 2
+
+
+def test_a_cached_checkpoint_is_read_through_the_page_cache_in_parallel(tmp_path, monkeypatch, page_cache_reads):
+    """DCP's reader reads through the read pipeline: a checkpoint just written (in the page cache) is
+    read from there by its threads, straight into the targets, with the values saved."""
+    sd = state()
+    save(sd, FastPersistWriter(tmp_path))
+    for name in os.listdir(tmp_path):  # written with O_DIRECT, past the page cache: read once to bring it in
+        (tmp_path / name).read_bytes()
+    reads = []
+    real = fp_dcp.read_pipeline.pread_extents
+    monkeypatch.setattr(fp_dcp.read_pipeline, "pread_extents",
+                        lambda *a, **k: (reads.append(k.get("threads")), real(*a, **k))[1])
+    out = zeros_like(sd)
+    dcp.load(out, storage_reader=FastPersistReader(tmp_path), no_dist=True)
+    assert_same(out, sd)
+    assert reads and all(t >= 2 for t in reads)
