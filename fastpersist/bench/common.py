@@ -315,6 +315,21 @@ def raw_read(path: str, address: int, size: int, options, fresh_memory: bool = F
     return got
 
 
+def warm(path: str) -> None:
+    """Reads a file whole through the page cache, so that the next read finds it there."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        buffer = bytearray(16 << 20)
+        offset = 0
+        while True:
+            n = os.preadv(fd, [buffer], offset)
+            if not n:
+                break
+            offset += n
+    finally:
+        os.close(fd)
+
+
 def evict_from_page_cache(path: str) -> None:
     """fsync and POSIX_FADV_DONTNEED on one file (the benchmarks/ scripts' eviction)."""
     fd = os.open(path, os.O_RDONLY)

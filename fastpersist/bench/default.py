@@ -374,6 +374,37 @@ class DefaultBench:
                                  in_fresh_process("raw engine read, all set up", engine), prepare))
         return out
 
+    def warm_fresh_process_loads(self) -> list:
+        """A restart from a file in the page cache (just written by a
+        buffered save, read before, or staged in memory): the fresh-process
+        loads again, the file read through the page cache beforehand. The
+        ceiling is the read pipeline's parallel read of the bare bytes."""
+        operation, path, out = "load, fresh process, file in the page cache", self.checkpoint, []
+
+        def in_fresh_process(mechanism: str, engine: Optional[str]):
+            def measure():
+                spec = {"kind": "load", "mechanism": mechanism, "path": path,
+                        "options": dataclasses.asdict(self.opts(engine or "auto")),
+                        "pieces": self.storage_sizes, "dtype": self.args.dtype}
+                result = self.fresh.run(spec)
+                return result["seconds"], result["phases"]
+            return measure
+
+        def prepare():
+            common.warm(path)
+
+        out.append(Mechanism(Series(operation, "torch.load", role="vanilla"),
+                             in_fresh_process("torch.load", None), prepare))
+        out.append(Mechanism(Series(operation, "torch.load(mmap=True)"),
+                             in_fresh_process("torch.load(mmap=True)", None), prepare))
+        for engine in self.engines:
+            out.append(Mechanism(Series(operation, "fastpersist.load", engine, role="fastpersist"),
+                                 in_fresh_process("fastpersist.load", engine), prepare))
+        out.append(Mechanism(Series(operation, "parallel page-cache read, from scratch (ceiling)", "-",
+                                    role="ceiling"),
+                             in_fresh_process("parallel page-cache read, from scratch", None), prepare))
+        return out
+
     def fresh_process_saves(self) -> list:
         """The first save of a process, to a new file: a new engine's start is
         part of it, as it is of any job that saves once."""
@@ -402,7 +433,7 @@ class DefaultBench:
     # -- the rounds ----------------------------------------------------------
     def run(self) -> list:
         mechanisms = (self.save_mechanisms() + self.fresh_process_saves() + self.fresh_process_loads()
-                      + self.same_process_loads())
+                      + self.warm_fresh_process_loads() + self.same_process_loads())
         with common.progress(len(mechanisms) * self.args.repeats + 1, "fastpersist bench") as bar:
             self.prepare(bar)
             bar.update()
@@ -441,7 +472,7 @@ def result_rows(series: list, engines: list) -> list:
     rows = []
     for s in series:
         engine = s.engine if s.engine != "-" else engines[0]
-        reference = ceiling.get((s.operation, engine))
+        reference = ceiling.get((s.operation, engine)) or ceiling.get((s.operation, "-"))  # one for every engine
         row = common.series_row(s, common.ratio(vanilla.get(s.operation), s), common.ratio(reference, s))
         interval = common.ratio_interval(reference, s) if reference is not s else None
         row["x_ceiling_low"], row["x_ceiling_high"], row["x_ceiling_coverage"] = interval or (None, None, None)
