@@ -48,16 +48,26 @@ def open_direct_of(fd: int, path: str, flags: int) -> int:
     save renames a new checkpoint over would otherwise read the new file's
     bytes at the old index's offsets. Opened through /proc/self/fd (the
     open file itself, renamed or deleted); without /proc, by path, and -1
-    (reads through ``fd``) where the name names another file by then."""
+    (reads through ``fd``) where the name names another file by then.
+
+    Also -1 where the re-open is refused (EACCES, EPERM): a re-open is an
+    open, checked against the file's mode as it is now and the process's
+    credentials as they are now, while ``fd`` was opened before either
+    changed (a caller's file object whose file became mode 0000, a process
+    that opened its checkpoint and then dropped privileges). torch.load
+    reads such a file through the object it was given; so do the reads
+    here, through ``fd`` (buffered), never through another descriptor."""
     try:
         return open_direct(f"/proc/self/fd/{fd}", flags, same_as=fd)
     except (FileNotFoundError, PermissionError):
-        pass  # no /proc here
+        pass  # no /proc here, or the open file may not be opened again (the same answer by path, below)
     try:
         return open_direct(path, flags, same_as=fd)
     except OSError as exc:
-        if exc.errno != errno.EEXIST:
+        if exc.errno not in (errno.EEXIST, errno.EACCES, errno.EPERM):
             raise
+        log.debug("fastpersist: %s cannot be opened again (%s); reading through its open descriptor",
+                  path, os.strerror(exc.errno))
         return -1
 
 

@@ -124,6 +124,8 @@ def load(f, map_location=None, pickle_module=None, *, weights_only: Optional[boo
         image = _CheckpointImage.open(path, current_options(), None if source is f else os.dup(f.fileno()))
     if image is None:  # legacy format, TorchScript or compressed records: torch's own path
         return delegate()
+    if source is not f:
+        image.caller = f  # left where torch.load would leave it (see _CheckpointImage.leave_caller)
     with image:
         # Resolve the arguments exactly as torch.load does (torch 2.13).
         _torch_api.log_api_usage("torch.load")
@@ -165,7 +167,7 @@ def load(f, map_location=None, pickle_module=None, *, weights_only: Optional[boo
             image.index.resolve(image.read_at)
             if verify:
                 image.verify_records({})
-            reader = TorchArchiveReader(image.index, image.read_at, None, path, image.read_file_into)
+            reader = image.reader(None, image.read_file_into)
             return _unpickle(reader, image.fd, map_location, weights_only, pickle_module, load_args, pickle_load_args)
         plain = not verify and _plain_state_may_apply(image.index.has_checksums, weights_only, pickle_module,
                                                       pickle_load_args)
@@ -176,7 +178,7 @@ def load(f, map_location=None, pickle_module=None, *, weights_only: Optional[boo
             # instead of 2.4 ms here). Read again below, from the page cache.
             image.prefetch_pickle()
         image.start_reading()
-        reader = TorchArchiveReader(image.index, image.read_at, image.as_storage(), path, image.read_file_into)
+        reader = image.reader(image.as_storage(), image.read_file_into)
         result = _NOT_LOADED
         if plain:
             # while the file is read: the tensors are views of the memory being filled
@@ -312,7 +314,7 @@ def _load_through_buffers(image: "_CheckpointImage", map_location, weights_only:
         return fixed_size(restored)
 
     image.prefetch_local_headers()
-    reader = _DeviceTargetReader(image.index, image.read_at, source=image.path)
+    reader = image.reader(kind=_DeviceTargetReader)
     result = _unpickle(reader, image.fd, restore, weights_only, pickle_module, load_args, pickle_load_args)
     try:
         with reading_engine(image.path, image.options, image.size, image.fd) as (engine, direct_fd):
@@ -369,6 +371,43 @@ def _path_of_file_object(f) -> Optional[str]:
     return name
 
 
+class _NotesReads:
+    """Mixed into a reader of a caller's open file (_CheckpointImage.reader):
+    notes in its image the last record torch's own reader would have read
+    bytes of, whichever of load's paths unpickles (see leave_caller)."""
+
+    image: "_CheckpointImage"
+
+    def get_record(self, name: str) -> bytes:
+        data = super().get_record(name)
+        if data:
+            self.image.last_read = name
+        return data
+
+    def storage_for_key(self, key: str, nbytes: int, alignment: int):
+        storage = super().storage_for_key(key, nbytes, alignment)
+        if nbytes:
+            self.image.last_read = "data/" + key
+        return storage
+
+    def get_storage_from_record(self, name: str, nbytes: int, storage_type):
+        storage = super().get_storage_from_record(name, nbytes, storage_type)
+        if nbytes:
+            self.image.last_read = name
+        return storage
+
+
+def _noting_reads(kind: type) -> type:
+    """kind (a TorchArchiveReader class) with _NotesReads mixed in, made once."""
+    noting = _NOTING_READS.get(kind)
+    if noting is None:
+        noting = _NOTING_READS[kind] = type(kind.__name__, (_NotesReads, kind), {"__module__": __name__})
+    return noting
+
+
+_NOTING_READS: dict = {}
+
+
 class _CheckpointImage:
     """An open checkpoint file, its index, and (after finish_reading) its bytes in
     page-aligned memory."""
@@ -383,6 +422,9 @@ class _CheckpointImage:
         self._reading: Optional[threading.Thread] = None
         self._read_error: Optional[BaseException] = None  # what start_reading's thread raised
         self._storage_made = False
+        # a caller's file object (load(open(path, "rb"))), left where torch.load leaves it: see leave_caller
+        self.caller = None
+        self.last_read: Optional[str] = None  # the record torch's reader would have read bytes of last
 
     @classmethod
     def open(cls, path: str, options: Options, fd: Optional[int] = None) -> Optional["_CheckpointImage"]:
@@ -412,6 +454,13 @@ class _CheckpointImage:
 
     def __exit__(self, *exc):
         self._wait_for_read()  # never leave a read going into memory that may be reused
+        try:
+            if exc[0] is None and self.caller is not None:
+                self.leave_caller()
+        finally:
+            self._close()
+
+    def _close(self) -> None:
         if self.view is not None:
             self.view.release()
             self.view = None
@@ -419,6 +468,37 @@ class _CheckpointImage:
             _freed_images.give_back(self.memory)  # a load that failed before its result was made
         self.memory = None
         _close_quietly(self.fd)
+
+    def reader(self, storage=None, read_file_into=None, kind: Optional[type] = None) -> TorchArchiveReader:
+        """A reader of this image's records for torch's _load: kind (a
+        TorchArchiveReader class) over read_at, with storage and
+        read_file_into as TorchArchiveReader takes them; for a caller's file
+        object, one that notes in last_read what torch's reader would read."""
+        kind = TorchArchiveReader if kind is None else kind
+        if self.caller is None:
+            return kind(self.index, self.read_at, storage, self.path, read_file_into)
+        reader = _noting_reads(kind)(self.index, self.read_at, storage, self.path, read_file_into)
+        reader.image = self
+        return reader
+
+    def leave_caller(self) -> None:
+        """Leaves the caller's file object where torch.load leaves it. torch
+        reads an open file through the object itself (PyTorchFileReader over
+        it: a seek and a readinto for every read), so the object stands at
+        the end of the last bytes read: a record's data (miniz reads a
+        stored record's local header, then its data in one read; an empty
+        record, nothing). torch's _load reads .format_version, byteorder,
+        .storage_alignment, then data.pkl, then each storage's record at
+        its key's first reference in the pickle (a non-empty storage is
+        kept for later references, an empty one read again: nothing); the
+        readers of this load note the same reads (_NotesReads). fastpersist
+        reads the file through its own descriptor (pread), which moves
+        nothing."""
+        if self.last_read is None:
+            return
+        record = self.index.entry(self.last_read)
+        self.index.resolve(self.read_at, [record])
+        self.caller.seek(record.data_offset + record.size)
 
     def start_reading(self) -> None:
         """Maps memory for the whole file and starts reading it there on a
