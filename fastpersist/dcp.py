@@ -41,7 +41,6 @@ How a save commits (at least as safe as DCP's own):
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import io
 import logging
 import mmap as _mmap
@@ -59,7 +58,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from . import _torch_api, read_pipeline, torch_format
+from . import _torch_api, atomic_write, read_pipeline, torch_format
 from .options import Options, current_options
 from .writer import FastFileWriter
 
@@ -89,7 +88,7 @@ def _options(overrides: dict) -> Options:
 
 
 def _fsync_folder(folder: str) -> None:
-    from .save import _fsync_folder as fsync_folder
+    from .atomic_write import _fsync_folder as fsync_folder
 
     fsync_folder(folder)
 
@@ -214,9 +213,8 @@ class FastPersistWriter(_CheckpointFolder, StorageWriter, AsyncStager):
         metadata_path = self._metadata_path()
         replaced = _referenced_files(metadata_path)
         data = pickle.dumps(metadata)
-        save = importlib.import_module("fastpersist.save")  # the module; fastpersist.save is the function
-        save.write_to_path(metadata_path, _options(self.options).replace(fsync=self.sync_files, atomic=True),
-                           lambda writer: writer.write(data))
+        atomic_write.write_to_path(metadata_path, _options(self.options).replace(fsync=self.sync_files, atomic=True),
+                                   lambda writer: writer.write(data))
         self._release_unreferenced(replaced, {info.relative_path for info in metadata.storage_data.values()})
 
     def storage_meta(self) -> Optional[StorageMeta]:

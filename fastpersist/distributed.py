@@ -47,7 +47,7 @@ from typing import Optional
 
 from . import _engine, device_io, release, torch_format
 from .options import Options
-from .save import _fsync_folder, _keep_mode_of, _Temporary, remove_stale_temporaries
+from .atomic_write import _fsync_folder, _keep_mode_of, _Temporary, remove_stale_temporaries
 from .writer import FastFileWriter
 
 PARTITION_ALIGN = 4096  # rank boundaries fall on whole blocks, so O_DIRECT writes stay whole

@@ -12,7 +12,7 @@ import torch
 os.environ.setdefault("FASTPERSIST_AUTOPATCH", "0")
 
 import fastpersist  # noqa: E402
-from fastpersist import _engine  # noqa: E402
+from fastpersist import _engine, read_pipeline  # noqa: E402
 from fastpersist.options import Options  # noqa: E402
 
 # Small buffers so that modest payloads span many buffers and requests.
@@ -68,20 +68,23 @@ def _restore_patching():
 
 
 @pytest.fixture(autouse=True)
-def _engine_reads_cached_files(monkeypatch):
+def _engine_reads_cached_files():
     """Loads read through the engine as for a file not in the page cache:
     every file a test writes is in the page cache, and would otherwise never
-    reach the engine. Tests of the page-cache mode ask for it (page_cache_reads)."""
-    from fastpersist import read_pipeline
+    reach the engine. Tests of the page-cache mode ask for it (page_cache_reads).
+    (Set and put back by hand: a monkeypatch made here would be undone only
+    after _restore_patching's checks, and so would every other of the test's.)"""
+    read_pipeline.CACHED_ENOUGH = 2.0
+    yield
+    read_pipeline.CACHED_ENOUGH = _CACHED_ENOUGH
 
-    monkeypatch.setattr(read_pipeline, "CACHED_ENOUGH", 2.0)
+
+_CACHED_ENOUGH = read_pipeline.CACHED_ENOUGH
 
 
 @pytest.fixture
 def page_cache_reads(monkeypatch):
     """Loads of cached files read as users' do: through the page cache, in parallel."""
-    from fastpersist import read_pipeline
-
     monkeypatch.setattr(read_pipeline, "CACHED_ENOUGH", 0.9)
 
 

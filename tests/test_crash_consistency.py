@@ -18,7 +18,7 @@ import fastpersist
 
 from conftest import fork_child, is_locked, leftovers, vanilla_load
 
-save_module = importlib.import_module("fastpersist.save")  # fastpersist.save is the function
+from fastpersist import atomic_write
 from fastpersist import release  # noqa: E402
 
 MiB = 1 << 20
@@ -79,8 +79,8 @@ def _temporaries(folder):
     trash names: a replaced checkpoint's data that a killed child did not get
     to free (the next save frees them)."""
     names = leftovers(folder)
-    assert all(save_module.TEMPORARY_NAME.match(n) or release.TRASH_NAME.match(n) for n in names), names
-    return [name for name in names if save_module.TEMPORARY_NAME.match(name)]
+    assert all(atomic_write.TEMPORARY_NAME.match(n) or release.TRASH_NAME.match(n) for n in names), names
+    return [name for name in names if atomic_write.TEMPORARY_NAME.match(name)]
 
 
 def _fork_save(obj, dest, engine) -> int:
@@ -192,7 +192,7 @@ def test_temporary_of_a_paused_writer_process_is_kept(folder, engine, checkpoint
         temp = _pause_with_locked_temporary(str(folder), pid)
         inode = os.stat(temp).st_ino
         fastpersist.save({"other": torch.ones(1000)}, folder / "other.pt", engine=engine)
-        assert save_module.remove_stale_temporaries(str(folder)) == []
+        assert atomic_write.remove_stale_temporaries(str(folder)) == []
         assert os.stat(temp).st_ino == inode, "the live writer's temporary was replaced"
         assert _temporaries(folder) == [os.path.basename(temp)]
         assert _which(dest, a, b) == "A"
@@ -217,7 +217,7 @@ sys.stdin.read()
 
 def test_temporary_locked_by_another_process_is_kept_then_removed(folder):
     name = ".ckpt.pt.fastpersist-0123456789abcdef.tmp"
-    assert save_module.TEMPORARY_NAME.match(name)
+    assert atomic_write.TEMPORARY_NAME.match(name)
     path = folder / name
     holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(path)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
@@ -282,7 +282,7 @@ def test_temporary_of_another_threads_open_save_is_kept(folder, engine, monkeypa
         assert is_locked(temp)
         inode = os.stat(temp).st_ino
         fastpersist.save({"other": 1}, folder / "other.pt", engine=engine)
-        assert save_module.remove_stale_temporaries(str(folder)) == []
+        assert atomic_write.remove_stale_temporaries(str(folder)) == []
         assert os.stat(temp).st_ino == inode
         assert not dest.exists()
     finally:

@@ -50,7 +50,7 @@ def graph() -> dict:
 
 def test_no_import_cycles():
     edges = graph()
-    assert "fastpersist.save" in edges["fastpersist.distributed"]  # the reader sees imports at all
+    assert "fastpersist.atomic_write" in edges["fastpersist.distributed"]  # the reader sees imports at all
     cycles, state = [], {}
 
     def visit(node, path):
@@ -76,3 +76,13 @@ def test_the_save_stack_is_layered():
     for module in ("fastpersist._engine", "fastpersist.fileio", "fastpersist.torch_format"):
         assert not {m for m in edges[module] if m.startswith(("fastpersist.save", "fastpersist.load",
                                                               "fastpersist.patching", "fastpersist.cli"))}, module
+
+
+def test_the_read_pipeline_and_the_atomic_write_know_no_format():
+    """Every format reads through read_pipeline and writes through
+    atomic_write; neither knows a format, nor what loads or saves them."""
+    edges = graph()
+    for module in ("fastpersist.read_pipeline", "fastpersist.atomic_write"):
+        assert not {m for m in edges[module] if m.startswith(("fastpersist.save", "fastpersist.load",
+                                                              "fastpersist.torch_format", "fastpersist.safetensors",
+                                                              "fastpersist.dcp", "fastpersist._torch_api"))}, module

@@ -4,7 +4,6 @@ background thread unlinks the trash name. The destination always names a
 complete checkpoint; trash left by a dead process is freed by the next save
 in its folder; exit waits for pending releases; a forked child inherits none."""
 import errno
-import importlib
 import multiprocessing
 import os
 import signal
@@ -20,7 +19,7 @@ from fastpersist import release
 
 from conftest import fork_child, leftovers, vanilla_load
 
-save_module = importlib.import_module("fastpersist.save")  # fastpersist.save is the function
+from fastpersist import atomic_write
 
 OLD = {"t": torch.arange(100_000, dtype=torch.float32), "which": "old"}
 NEW = {"t": torch.arange(100_000, dtype=torch.float32) * -2, "which": "new"}
@@ -179,7 +178,7 @@ def test_a_stale_temporary_is_moved_to_a_trash_name_under_its_lock_and_freed_lat
     stale = folder / ".ckpt.pt.fastpersist-0123456789abcdef.tmp"
     stale.write_bytes(b"\0" * 300_000)
     inode = os.stat(stale).st_ino
-    assert save_module.remove_stale_temporaries(str(folder)) == [str(stale)]
+    assert atomic_write.remove_stale_temporaries(str(folder)) == [str(stale)]
     assert not stale.exists()
     names = trashes(folder)
     assert len(names) == 1 and names[0].startswith(".ckpt.pt.fastpersist-")
@@ -196,7 +195,7 @@ def test_a_trash_being_released_is_not_handed_over_twice(folder, held):
     fastpersist.save(NEW, dest)
     pending = trashes(folder)
     assert len(pending) == 1
-    assert save_module.remove_stale_temporaries(str(folder)) == []
+    assert atomic_write.remove_stale_temporaries(str(folder)) == []
     fastpersist.save(OLD, folder / "other.pt")  # another save's clean-up in the folder
     release.release_later(folder / pending[0])  # and a direct request: still one unlink
     gate.set()

@@ -18,7 +18,7 @@ from fastpersist.patching import original_save
 
 from conftest import leftovers, vanilla_load
 
-save_module = sys.modules["fastpersist.save"]
+from fastpersist import atomic_write
 OBJ = {"w": torch.arange(300_000, dtype=torch.float32), "step": 7}
 
 
@@ -145,8 +145,8 @@ def test_file_names_up_to_the_longest_allowed_are_saved_and_replaced(folder, nam
 
 def test_a_save_killed_with_a_long_name_leaves_a_temporary_the_next_save_removes(folder):
     name = "n" * 252 + ".pt"
-    stale = os.path.join(folder, save_module.release.hidden_name(str(folder), name, "0123456789abcdef", "tmp"))
-    assert len(os.fsencode(os.path.basename(stale))) == 255 and save_module.TEMPORARY_NAME.match(
+    stale = os.path.join(folder, atomic_write.release.hidden_name(str(folder), name, "0123456789abcdef", "tmp"))
+    assert len(os.fsencode(os.path.basename(stale))) == 255 and atomic_write.TEMPORARY_NAME.match(
         os.path.basename(stale))
     with open(stale, "wb") as f:
         f.write(b"x" * 1000)

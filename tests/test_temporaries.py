@@ -12,7 +12,7 @@ import torch
 
 import fastpersist
 
-save_module = importlib.import_module("fastpersist.save")  # fastpersist.save is the function
+from fastpersist import atomic_write
 
 from conftest import is_locked, leftovers, vanilla_load
 
@@ -58,15 +58,15 @@ def test_a_locked_temporary_is_left_alone(folder):
 def test_a_temporary_is_locked_while_its_save_runs(folder, monkeypatch):
     """Seen from outside during the save: the temporary exists and its lock is held."""
     seen = []
-    real = save_module.release.replacing
+    real = atomic_write.release.replacing
 
     def look(temporary, target):  # written, about to be renamed over the destination
         assert is_locked(temporary)
-        assert save_module.remove_stale_temporaries(str(folder)) == []
+        assert atomic_write.remove_stale_temporaries(str(folder)) == []
         seen.append(temporary)
         return real(temporary, target)
 
-    monkeypatch.setattr(save_module.release, "replacing", look)
+    monkeypatch.setattr(atomic_write.release, "replacing", look)
     fastpersist.save(OBJ, folder / "ckpt.pt")
     assert len(seen) == 1 and not os.path.exists(seen[0])
     assert torch.equal(vanilla_load(folder / "ckpt.pt")["t"], OBJ["t"])
@@ -88,7 +88,7 @@ def test_a_symlink_planted_at_the_temporary_name_is_not_written_through(folder, 
     planted = folder / ".ckpt.pt.fastpersist-aaaaaaaaaaaaaaaa.tmp"
     planted.symlink_to(victim)
     tokens = iter(["aaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbb"])
-    monkeypatch.setattr(save_module.secrets, "token_hex", lambda n: next(tokens))
+    monkeypatch.setattr(atomic_write.secrets, "token_hex", lambda n: next(tokens))
     fastpersist.save(OBJ, folder / "ckpt.pt")
     assert victim.read_bytes() == b"precious"
     assert planted.is_symlink()
@@ -118,8 +118,8 @@ def test_a_temporary_removed_by_another_saves_clean_up_before_it_is_locked_is_gi
 
 def test_temporary_names_are_unpredictable(folder, monkeypatch):
     names = []
-    real = save_module.release.replacing
-    monkeypatch.setattr(save_module.release, "replacing", lambda tmp, t: (names.append(os.path.basename(tmp)),
+    real = atomic_write.release.replacing
+    monkeypatch.setattr(atomic_write.release, "replacing", lambda tmp, t: (names.append(os.path.basename(tmp)),
                                                                           real(tmp, t))[1])
     for _ in range(3):
         fastpersist.save(OBJ, folder / "ckpt.pt")
