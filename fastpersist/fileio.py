@@ -108,12 +108,13 @@ def read_extents(engine: _engine.Engine, direct_fd: int, fd: int, path: str, ext
 
 
 @contextlib.contextmanager
-def prefaulting(extents):
+def prefaulting(extents, threads: int = 0):
     """_Prefault's helpers for the (address, offset, nbytes) extents while the
     block runs. Entered before taking an engine, it faults memory in while a
     new engine is created (in a fresh process: 10-140 ms here to lock and
-    register its buffers, which the reads would otherwise wait for)."""
-    helper = _Prefault(extents)
+    register its buffers, which the reads would otherwise wait for).
+    threads: at most this many helpers (0: _Prefault.MAX_THREADS)."""
+    helper = _Prefault(extents, threads)
     try:
         yield
     finally:
@@ -215,7 +216,8 @@ class _Prefault:
     fault the pages in themselves). Pages already present cost a page-table
     walk; their contents are never changed.
 
-    Two threads where the process may run on two CPUs, taking alternate
+    Two threads where the process may run on two CPUs (the read pipeline
+    asks for up to read_threads where there are more), taking alternate
     8 MiB stretches of the destinations so both stay just ahead of the
     reads: faulting in fresh memory is slower than the disk reads on VMs
     like this one (0.5-2 GB/s per thread, the host backing each new page),
@@ -234,14 +236,14 @@ class _Prefault:
     PIECE = 8 << 20
     MAX_THREADS = 2
 
-    def __init__(self, extents):
+    def __init__(self, extents, threads: int = 0):
         import threading
 
         ranges = sorted(((e[1], e[0], e[2]) for e in extents if e[2]), key=lambda r: r[0])
         self._stopping = False
         self._threads = []
         if sum(r[2] for r in ranges) >= self.MIN_BYTES:
-            count = max(1, min(self.MAX_THREADS, _usable_cpus()))
+            count = max(1, min(threads or self.MAX_THREADS, _usable_cpus()))
             for index in range(count):
                 thread = threading.Thread(target=self._run, args=(ranges, index, count),
                                           name="fastpersist-prefault", daemon=True)

@@ -87,7 +87,7 @@ def read_extents(fd: int, path: str, size: int, options: Options, extents, check
         if started is not None:
             started.set()
         return pread_extents(fd, path, extents, checksums, threads=read_threads(options), populate=fresh)
-    with prefaulting(extents) if fresh else contextlib.nullcontext():
+    with prefaulting(extents, read_threads(options)) if fresh else contextlib.nullcontext():
         with reading_engine(path, options, size, fd) as (engine, direct_fd):
             if started is not None:
                 started.set()
