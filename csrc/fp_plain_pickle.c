@@ -6,8 +6,11 @@
  * interpreter's per-opcode work: what is left per tensor is the calls into
  * torch that ask for its storage, sizes and strides.
  *
- * dump(obj, ctx) -> (pickle bytes, {key: storage}); raises Unsupported where
- * torch's pickling must run instead (plain_pickle.dump then returns None).
+ * dump(obj, ctx) -> (pickle bytes, {key: storage}, depth); raises Unsupported
+ * where torch's pickling must run instead (plain_pickle.dump then returns
+ * None). depth: how many containers deep the object goes, for the caller to
+ * ask headroom(n) whether torch's pickler, which spends up to two recursion
+ * levels a container, would have room for it (plain_pickle.dump).
  * ctx is a tuple of the torch objects the writer compares against, built by
  * plain_pickle._c_context(). Limited API (abi3): one build serves every
  * Python the wheel supports.
@@ -47,6 +50,7 @@ typedef struct {
     PyObject *keys;      /* dict storage._cdata -> memo index of its key string */
     PyObject *dtypes;    /* dict data_ptr -> dtype */
     PyObject **ctx;
+    long depth, max_depth; /* containers being written, and the most at once */
 } W;
 
 static size_t hash_ptr(void *p)
@@ -778,11 +782,14 @@ static int save(W *w, PyObject *obj)
         int rc;
         if (Py_EnterRecursiveCall(" in plain_pickle"))
             return -1; /* RecursionError: torch's pickling decides */
+        if (++w->depth > w->max_depth)
+            w->max_depth = w->depth;
         rc = t == &PyDict_Type ? save_dict(w, obj)
            : t == &PyList_Type ? save_list(w, obj)
            : t == &PyTuple_Type ? save_tuple(w, obj)
            : (PyObject *)t == ctx[C_ORDERED_DICT] ? save_ordered_dict(w, obj)
            : save_parameter(w, obj);
+        w->depth--;
         Py_LeaveRecursiveCall();
         return rc;
     }
@@ -827,7 +834,7 @@ static PyObject *dump(PyObject *self, PyObject *args)
     {
         PyObject *data = PyBytes_FromStringAndSize(w.buf, (Py_ssize_t)w.len);
         if (data) {
-            result = PyTuple_Pack(2, data, w.storages);
+            result = Py_BuildValue("(OOl)", data, w.storages, w.max_depth);
             Py_DECREF(data);
         }
     }
@@ -841,8 +848,28 @@ done:
     return result;
 }
 
+/* headroom(n) -> how many of n more recursion levels this thread may enter
+ * here (n where all of them), counted by the interpreter's own check, which
+ * CPython's pickler uses too; nothing is entered when it returns */
+static PyObject *headroom(PyObject *self, PyObject *arg)
+{
+    long n = PyLong_AsLong(arg), i, j;
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    for (i = 0; i < n; i++) {
+        if (Py_EnterRecursiveCall("")) {
+            PyErr_Clear();
+            break;
+        }
+    }
+    for (j = 0; j < i; j++)
+        Py_LeaveRecursiveCall();
+    return PyLong_FromLong(i);
+}
+
 static PyMethodDef methods[] = {
-    {"dump", dump, METH_VARARGS, "dump(obj, ctx) -> (pickle bytes, {key: storage}); raises Unsupported"},
+    {"dump", dump, METH_VARARGS, "dump(obj, ctx) -> (pickle bytes, {key: storage}, depth); raises Unsupported"},
+    {"headroom", headroom, METH_O, "headroom(n) -> how many of n more recursion levels are free here"},
     {NULL, NULL, 0, NULL},
 };
 

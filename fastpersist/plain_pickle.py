@@ -37,6 +37,7 @@ import collections
 import pickle
 import struct
 import sys
+import threading
 from typing import Optional
 
 import torch
@@ -106,16 +107,125 @@ def dump(obj) -> Optional[PlainPickle]:
     """torch.save's pickle of obj, or None where obj is not plain data (see
     the module's note) and torch's own pickling must run. A save torch
     would refuse (two tensors viewing the same memory as different dtypes)
-    is also None, so that torch raises its own error."""
+    is also None, so that torch raises its own error. Where torch.save's
+    pickling could run out of recursion levels, it runs here, as deep in
+    the stack as torch.save would run it (``_pickled_by_torch``): its
+    RecursionError, or its pickle."""
     if IMPLEMENTATION == "c" and _c is not None:
         try:
-            return PlainPickle(*_c.dump(obj, _c_context()))
-        except (_c.Unsupported, RecursionError):
+            data, storages, depth = _c.dump(obj, _c_context())
+        except _c.Unsupported:
             return None
-    try:
-        return _Writer().dump(obj)
-    except (Unsupported, RecursionError):
+        except RecursionError:
+            return _pickled_by_torch(obj)
+        plain = PlainPickle(data, storages)
+    else:
+        writer = _Writer()
+        try:
+            plain = writer.dump(obj)
+        except Unsupported:
+            return None
+        except RecursionError:
+            return _pickled_by_torch(obj)
+        depth = writer.max_depth
+    if not _has_headroom(2 * depth + HEADROOM_MARGIN):
+        return _pickled_by_torch(obj)
+    return plain
+
+
+# Recursion. CPython's pickler enters one recursion level for each object it
+# saves but atoms and strings (and a second for an exact dict's or list's
+# items), and torch's persistent_id and the reductions of tensors,
+# Parameters, sizes and devices run in Python frames below them: a deep
+# enough object makes torch.save raise RecursionError, at a depth that
+# depends on where it was called and on sys.getrecursionlimit(). The writers
+# count containers; where two levels a container and this margin (beyond
+# them, a leaf's reduction takes up to 9, measured by
+# tests/test_plain_pickle.py) are not free here, deeper in the stack than
+# torch.save's pickler would be, torch's own pickling runs instead, as
+# deep as torch.save would run it.
+HEADROOM_MARGIN = 64
+
+
+def _has_headroom(n: int) -> bool:
+    """Whether n recursion levels are free here (from 3.12 on, C calls and
+    Python frames each have their own)."""
+    if sys.version_info < (3, 10):
+        # a RecursionError there lets the thread overflow its limit (by up to
+        # 50) until it climbs back below it: no probing, frames counted
+        frames, frame = 0, sys._getframe()
+        while frame is not None:
+            frames += 1
+            frame = frame.f_back
+        return sys.getrecursionlimit() - frames >= n + 50
+    if _c is not None and _c.headroom(n) < n:
+        return False
+    if _c is None or sys.version_info >= (3, 12):
+        try:
+            _descend(n)
+        except RecursionError:
+            return False
+    return True
+
+
+def _descend(n: int) -> None:
+    if n > 0:
+        _descend(n - 1)
+
+
+class _Records:
+    """A zip writer for torch's _save that keeps the pickle and the storages."""
+
+    def __init__(self):
+        self.data = b""
+        self.storages: dict = {}
+
+    def write_record(self, name: str, data, nbytes: int) -> None:
+        if name == "data.pkl":
+            self.data = bytes(data)
+        elif name.startswith("data/"):
+            self.storages[name[len("data/"):]] = data
+
+    def write_record_metadata(self, name: str, nbytes: int) -> None:  # skip_data: applies() leaves it to torch
+        self.storages[name[len("data/"):]] = None
+
+
+_limit_lock = threading.RLock()  # one raised limit at a time: each restores the one it found
+
+
+def _pickled_by_torch(obj) -> Optional[PlainPickle]:
+    """torch.save's own pickling of obj (torch.serialization._save, CPython's
+    pickler, torch's persistent_id), run with the recursion limit raised by
+    the frames fastpersist's save put between its caller and here beyond
+    the one torch.save would (its own): it runs out of recursion levels
+    where torch.save called from the same place would, raising the same
+    RecursionError (or whatever else it raises), or gives the pickle and
+    storages torch.save writes (device storages copied to the host, as
+    torch's _save copies them). The limit is the process's: other threads
+    see the raised one (by a few levels) meanwhile."""
+    frames = 0
+    frame = sys._getframe()
+    while frame is not None and _in_save_stack(frame.f_globals.get("__name__", "")):
+        frames += 1
+        frame = frame.f_back
+    records = _Records()
+    with _limit_lock:
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(limit + frames - 1)
+        try:
+            torch.serialization._save(obj, records, pickle, PROTOCOL, True)
+        finally:
+            sys.setrecursionlimit(limit)
+    if any(storage is None for storage in records.storages.values()):
         return None
+    return PlainPickle(records.data, records.storages)
+
+
+def _in_save_stack(module: str) -> bool:
+    """fastpersist's frames between a save's caller and the pickling (not its
+    integrations': they are the callers torch.save would have)."""
+    return (module == "fastpersist" or module.startswith("fastpersist.")) \
+        and not module.startswith("fastpersist.integrations")
 
 
 # The writer in C (csrc/fp_plain_pickle.c: ~5 us a tensor against ~8 for
@@ -187,6 +297,8 @@ class _Writer:
         self.storages: dict = {}  # key -> storage, in key order
         self.keys: dict = {}      # storage._cdata -> memo index of its key string
         self.dtypes: dict = {}    # data_ptr -> dtype (torch refuses two dtypes over one memory)
+        self.depth = 0            # containers being written
+        self.max_depth = 0        # the most at once
 
     def dump(self, obj) -> PlainPickle:
         self.save(obj)
@@ -241,22 +353,27 @@ class _Writer:
             self.save_str(obj)
         elif kind is _Tensor:
             self.save_tensor(obj)
-        elif kind is dict:
-            out += b"}"
-            self.memoize(obj)
-            if obj:
-                self.dict_items(obj)
-        elif kind is list:
-            out += b"]"
-            self.memoize(obj)
-            if obj:
-                self.list_items(obj)
-        elif kind is tuple:
-            self.save_tuple(obj)
-        elif kind is _OrderedDict:
-            self.save_ordered_dict(obj)
-        elif kind is _Parameter:
-            self.save_parameter(obj)
+        elif kind is dict or kind is list or kind is tuple or kind is _OrderedDict or kind is _Parameter:
+            self.depth += 1
+            if self.depth > self.max_depth:
+                self.max_depth = self.depth
+            if kind is dict:
+                out += b"}"
+                self.memoize(obj)
+                if obj:
+                    self.dict_items(obj)
+            elif kind is list:
+                out += b"]"
+                self.memoize(obj)
+                if obj:
+                    self.list_items(obj)
+            elif kind is tuple:
+                self.save_tuple(obj)
+            elif kind is _OrderedDict:
+                self.save_ordered_dict(obj)
+            else:
+                self.save_parameter(obj)
+            self.depth -= 1
         elif kind is bytes:
             self.save_bytes(obj)
         elif kind is torch.dtype:

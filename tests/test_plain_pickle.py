@@ -1,6 +1,7 @@
 """plain_pickle writes the pickle torch.save writes, byte for byte, or
 declines (None) and torch's own pickling runs: either way the file is torch's."""
 import collections
+import pickle
 import sys
 
 import pytest
@@ -217,3 +218,90 @@ def test_generated_sharing_pickles_as_torch_does(names, n_tensors):
     t = torch.randn(5)
     obj = [sys.intern(n) for n in names] + [t[i:] for i in range(n_tensors)] + [b"q"] + names
     assert_same_pickle(obj)
+
+
+# -- recursion: where torch's pickling would run out of levels, it runs itself ---------
+
+def _levels_torch_needs(obj) -> int:
+    """The fewest recursion levels free at the call with which torch's own
+    pickling of obj (torch.serialization._save, as torch.save calls it) returns."""
+    limit = sys.getrecursionlimit()
+    in_use = limit - plain_pickle._c.headroom(limit)
+
+    def pickles(levels: int) -> bool:
+        sys.setrecursionlimit(in_use + 1 + levels)  # 1: this frame
+        try:
+            torch.serialization._save(obj, plain_pickle._Records(), pickle, 2, True)
+            return True
+        except RecursionError:
+            return False
+        finally:
+            sys.setrecursionlimit(limit)
+
+    low, high = 1, 20000
+    while low < high:
+        middle = (low + high) // 2
+        if pickles(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return low
+
+
+def _writers_depth(obj) -> int:
+    if plain_pickle.IMPLEMENTATION == "c":
+        return plain_pickle._c.dump(obj, plain_pickle._c_context())[2]
+    writer = plain_pickle._Writer()
+    writer.dump(obj)
+    return writer.max_depth
+
+
+def _deep(make, depth, leaf):
+    for _ in range(depth):
+        leaf = make(leaf)
+    return leaf
+
+
+_LEAVES = {"a tensor": torch.ones(2), "a Parameter": torch.nn.Parameter(torch.ones(2)), "a device": torch.device("cpu"),
+           "a size": torch.Size([2]), "bytes": b"ab", "a dtype": torch.float16, "a string": "s", "an int": 1}
+DEPTHS = {
+    **{f"corpus {k}": PLAIN[k] for k in ("state_dict", "optimizer", "nested", "torch_values", "parameters")},
+    **{f"{n} {kind}s of {leaf}": _deep(make, n, value)
+       for n in (1, 40) for leaf, value in _LEAVES.items()
+       for kind, make in [("dict", lambda x: {"k": x}), ("list", lambda x: [x, 1]), ("tuple", lambda x: (x,)),
+                          ("OrderedDict", lambda x: collections.OrderedDict(k=x))]},
+}
+
+
+@pytest.mark.parametrize("key", DEPTHS)
+def test_the_margin_covers_torchs_pickling(key):
+    """torch's pickling takes at most two levels a container and the margin
+    beyond them; measured: a leaf's reduction takes up to ~10."""
+    obj = DEPTHS[key]
+    depth = _writers_depth(obj)
+    needs = _levels_torch_needs(obj)
+    assert depth <= needs <= 2 * depth + plain_pickle.HEADROOM_MARGIN // 4, (depth, needs)
+
+
+def test_plain_data_with_room_to_spare_is_the_writers(monkeypatch):
+    monkeypatch.setattr(plain_pickle, "_pickled_by_torch", lambda obj: pytest.fail("torch's pickling ran"))
+    for key in ("state_dict", "optimizer", "nested", "batches", "many_memo_entries"):
+        assert_same_pickle(PLAIN[key])
+    assert_same_pickle(_deep(lambda x: {"k": x}, 100, torch.ones(1)))
+
+
+@pytest.mark.parametrize("kind", ["dict", "list", "tuple"])
+def test_deep_plain_data_pickles_as_torch_does_or_raises_its_recursion_error(kind):
+    """An object too deep for torch.save: its RecursionError, where the
+    writer (counting one level a container, in C) would have pickled it."""
+    make = {"dict": lambda x: {"k": x}, "list": lambda x: [x], "tuple": lambda x: (x,)}[kind]
+    limit = sys.getrecursionlimit()
+    in_use = limit - plain_pickle._c.headroom(limit)
+    deep = _deep(make, (limit - in_use) * 3 // 4, torch.ones(1))
+    if kind == "tuple":  # one level a tuple: torch pickles it, the margin sends it to torch's pickling
+        assert assert_same_pickle(deep).storages["0"].nbytes() == 4
+        return
+    with pytest.raises(RecursionError, match="maximum recursion depth exceeded"):
+        torch_pickle(deep)
+    with pytest.raises(RecursionError, match="maximum recursion depth exceeded"):
+        plain_pickle.dump(deep)

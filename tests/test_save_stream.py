@@ -1,11 +1,13 @@
 """fastpersist.save (and the patched torch.save) to a file object: the bytes
 torch.save writes there, planned by fastpersist (its pickle writer for plain
 data) and written through the object's write(), from where it stands."""
+import collections
 import importlib
 import io
 import os
 import re
 import struct
+import sys
 import zipfile
 
 import pytest
@@ -240,3 +242,134 @@ def test_storages_off_the_cpu_are_written_from_a_host_copy_held_through_the_writ
         start = len(plan.records[0].header)
         assert buffer.getvalue()[start:start + n] == expected, n
         assert plan.records[0].layout.crc == zlib.crc32(expected), n
+
+
+# -- objects deep enough to exhaust the recursion limit --------------------------------
+# CPython's pickler enters a recursion level for each container (two for an
+# exact dict or list), and torch.save raises RecursionError where they run
+# out. fastpersist's writer counts its own; where torch.save would raise, so
+# does fastpersist.save, and where it saves, the bytes are torch's.
+
+def _mix(inner):
+    return [{"a": (collections.OrderedDict(x=inner),)}]
+
+
+DEEP = {"dict": lambda inner: {"a": inner}, "list": lambda inner: [inner], "tuple": lambda inner: (inner,),
+        "OrderedDict": lambda inner: collections.OrderedDict(a=inner), "list of two": lambda inner: [1, inner],
+        "a mix": _mix}
+LEAF = {"w": torch.ones(2), "p": torch.nn.Parameter(torch.zeros(1)), "n": 3}
+
+
+def _nested(kind: str, depth: int):
+    obj = LEAF
+    for _ in range(depth):
+        obj = DEEP[kind](obj)
+    return obj
+
+
+def _save_or_error(save, obj, target):
+    """Whatever save raises, or None; called from one place for every save,
+    so that each runs as deep in the stack as the others."""
+    try:
+        save(obj, target)
+    except RecursionError as exc:
+        return exc
+    return None
+
+
+def _in_frames(extra: int, call):
+    return call() if extra <= 0 else _in_frames(extra - 1, call)
+
+
+def _torch_saves(obj, extra_frames: int = 0) -> bool:
+    """Whether torch.save(obj) returns, called as deep as _same_outcome_as_torch_save calls it."""
+    try:
+        return _in_frames(extra_frames, lambda: _save_or_error(original_save(), obj, io.BytesIO())) is None
+    except RecursionError:  # the frames alone ran out
+        return False
+
+
+def _first_failing(fails, low: int, high: int) -> int:
+    """The least n in [low, high] for which fails(n)."""
+    while low < high:
+        middle = (low + high) // 2
+        if fails(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return low
+
+
+def _same_outcome_as_torch_save(obj, folder, monkeypatch, extra_frames: int = 0, same_words: bool = True) -> bool:
+    """fastpersist.save (and the patched torch.save) into a buffer and to a
+    path against torch.save: the same RecursionError (same_words: torch's
+    pickler's own), or the same bytes. Returns whether torch.save saved."""
+    from fastpersist.patching import _fast_save
+
+    outcomes = {}
+    for name, target in [("buffer", lambda: io.BytesIO()), ("path", lambda: folder / name / "c.pt")]:
+        (folder / name).mkdir(exist_ok=True)
+        (folder / "ours").mkdir(exist_ok=True)
+        theirs = target()
+        their_error = _in_frames(extra_frames, lambda: _save_or_error(original_save(), obj, theirs))
+        their_bytes = theirs.getvalue() if name == "buffer" else theirs.read_bytes() if their_error is None else None
+        if their_bytes is not None:
+            monkeypatch.setattr(torch_format, "new_serialization_id", lambda: _serialization_id(their_bytes))
+        for save in (fastpersist.save, _fast_save):
+            ours = io.BytesIO() if name == "buffer" else folder / "ours" / "c.pt"  # the archive is named after it
+            our_error = _in_frames(extra_frames, lambda: _save_or_error(save, obj, ours))
+            assert (our_error is None) == (their_error is None), (name, save, our_error, their_error)
+            if name == "buffer":
+                assert ours.getvalue() == (their_bytes if our_error is None else b"")
+            else:
+                assert (ours.read_bytes() if ours.exists() else None) == their_bytes
+                if ours.exists():
+                    ours.unlink()
+            if our_error is not None:
+                assert type(our_error) is type(their_error)
+                assert str(our_error) == str(their_error) or not same_words
+        if theirs is not None and name == "path" and theirs.exists():
+            theirs.unlink()
+        outcomes[name] = their_error is None
+    assert outcomes["buffer"] == outcomes["path"]
+    return outcomes["buffer"]
+
+
+@pytest.fixture(params=["c", "python"])
+def writer(request, monkeypatch):
+    from fastpersist import plain_pickle
+
+    monkeypatch.setattr(plain_pickle, "IMPLEMENTATION", request.param)
+    return request.param
+
+
+@pytest.fixture(params=["the current limit", "a lower limit", "a higher limit"])
+def recursion_limit(request):
+    before = sys.getrecursionlimit()
+    limit = {"the current limit": before, "a lower limit": 700, "a higher limit": 2500}[request.param]
+    sys.setrecursionlimit(limit)
+    try:
+        yield limit
+    finally:
+        sys.setrecursionlimit(before)
+
+
+@pytest.mark.parametrize("kind", DEEP)
+def test_deep_objects_raise_exactly_where_torch_save_raises(kind, writer, recursion_limit, tmp_path, monkeypatch):
+    threshold = _first_failing(lambda depth: not _torch_saves(_nested(kind, depth)), 1, 2 * recursion_limit)
+    assert 1 < threshold < 2 * recursion_limit
+    # the threshold here is a level or so off (the search runs a few frames deeper): both sides of it
+    saved = [_same_outcome_as_torch_save(_nested(kind, depth), tmp_path, monkeypatch)
+             for depth in range(threshold - 3, threshold + 3)]
+    assert saved == sorted(saved, reverse=True) and True in saved and False in saved, saved
+
+
+def test_a_shallow_state_saved_with_few_levels_left_raises_where_torch_save_raises(writer, tmp_path, monkeypatch):
+    """The caller's own depth counts too: a state dict saved from deep in a
+    recursion. (Where fastpersist's own frames run out first, before its
+    pickling, its RecursionError is raised elsewhere than torch's.)"""
+    state = {"model": torch.nn.Linear(2, 2).state_dict(), "opt": {"step": 1, "lr": [0.1, (0.9, 0.99)]}}
+    fewest = _first_failing(lambda extra: not _torch_saves(state, extra), 1, sys.getrecursionlimit())
+    saved = [_same_outcome_as_torch_save(state, tmp_path, monkeypatch, extra, same_words=False)
+             for extra in range(fewest - 4, fewest + 4)]
+    assert saved == sorted(saved, reverse=True) and True in saved and False in saved, saved
