@@ -25,6 +25,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Optional
 
+from .errors import CheckpointError
+
 _U32_LIMIT = 0xFFFFFFFF
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _U16 = struct.Struct("<H")
@@ -563,13 +565,6 @@ _DESCRIPTOR64 = struct.Struct("<IIQQ")
 # torch.load's own checks (record listing, byte order). The conditions below
 # restate theirs field by field; tests/test_archive_parity.py mutates every
 # header field of real checkpoints and compares both readers.
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint file is truncated, corrupt or not what it claims to be.
-
-    A RuntimeError, like the errors torch.load raises for broken archives,
-    so code that catches those keeps working."""
 
 
 def view_end(tensor) -> int:
