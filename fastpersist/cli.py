@@ -134,6 +134,7 @@ def gather_info(folder: str) -> dict:
         "memory_lock_error": engines["lock_error"],
         "rlimit_memlock": {"soft": _limit_text(soft), "hard": _limit_text(hard)},
         "default_options": defaults,
+        "read_pipeline": _read_pipeline_info(defaults),
         # what `import fastpersist` does in a program run with this environment
         # (this command's own patching says nothing about another process)
         "autopatch_on_import": fastpersist.autopatch_enabled(),
@@ -146,6 +147,24 @@ def gather_info(folder: str) -> dict:
         "cufile": gds,
         "transfer": _transfer_choice(defaults, gds, cuda["available"]),
     }
+
+
+def _read_pipeline_info(defaults: dict) -> dict:
+    """How loads read with these options: the threads of a page-cache read,
+    and the most host memory the engines' buffers take (every engine the
+    pool may hold at once; a page-cache read takes none: it reads straight
+    into the destinations)."""
+    from . import read_pipeline
+    from .options import Options
+
+    if "error" in defaults:
+        return {"error": defaults["error"]}
+    options = Options(**defaults)
+    per_engine = options.buffer_size * options.num_buffers
+    return {"page_cache_threads": read_pipeline.read_threads(options),
+            "page_cache_rule": f"cached >= {read_pipeline.CACHED_ENOUGH:.0%}, or smaller than "
+                               f"{read_pipeline.SMALL_FILE_BYTES >> 20} MiB with no engine idle",
+            "engine_buffers_bytes": per_engine, "engine_pool_max_bytes": per_engine * options.max_engines}
 
 
 def _safetensors_routed_on_import() -> str:
@@ -224,6 +243,12 @@ def format_info(info: dict) -> list[str]:
     limit = info["rlimit_memlock"]
     rows.append(("RLIMIT_MEMLOCK", f"soft {limit['soft']}, hard {limit['hard']}"))
     rows.append(("default options", _format_options(info["default_options"])))
+    reads = info["read_pipeline"]
+    if "error" not in reads:
+        rows.append(("loads", f"through the page cache with {reads['page_cache_threads']} threads where "
+                     f"{reads['page_cache_rule']}; else the engine's O_DIRECT reads"))
+        rows.append(("engine buffers", f"{reads['engine_buffers_bytes'] >> 20} MiB an engine, at most "
+                     f"{reads['engine_pool_max_bytes'] >> 20} MiB for the pool"))
     rows.append(("import patches torch", _yes_no(info["autopatch_on_import"])
                  + ("" if info["autopatch_on_import"] else " (FASTPERSIST_AUTOPATCH)")))
     rows.append(("import routes safetensors", info["safetensors_routed_on_import"]))
