@@ -17,10 +17,13 @@ views of a mapping); to a GPU, each tensor is filled from the engine's
 buffers with no host copy of the file. ``safe_open`` reads the header only,
 then each tensor (or the rows of a slice) when asked for.
 
-A file is checked before any tensor is made from it: a header that is not
-JSON, offsets with holes or overlaps, a size that disagrees with the header,
-an unknown dtype each raise ``SafetensorsFileError`` naming the file and
-the problem.
+A file is checked before any tensor is made from it, by safetensors' own
+rules: the headers its parser (serde_json) and its checks accept load, with
+the same tensors and metadata; every other one (not JSON as serde_json reads
+it: NaN, numbers out of range, lone surrogate escapes, nesting of 128 or
+more; a duplicate field; -0 or 1.0 for an integer; offsets with holes or
+overlaps; a size that disagrees with the header; an unknown dtype) raises
+``SafetensorsFileError`` naming the file and the problem.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ import contextlib
 import ctypes
 import json
 import os
+import re
 import struct
 import threading
 import weakref
@@ -153,63 +157,350 @@ class Header:
 
     @classmethod
     def parse(cls, raw: bytes, path: str, size: int) -> "Header":
-        """The header from its JSON bytes; size: the whole file's."""
+        """The header from its JSON bytes; size: the whole file's. Accepts
+        exactly the headers safetensors loads (its serde_json parser and its
+        checks, then the tensors torch can make: see _header_json and
+        _tensor_fields); SafetensorsFileError naming the problem for the rest."""
+        from . import gc_pause
+
         data_start = 8 + len(raw)
-        if not raw.startswith(b"{"):
-            raise SafetensorsFileError(f"{path}: the header does not begin with '{{': not a safetensors file")
+        # ~6 objects a tensor, none in a cycle: a collection of the oldest generation set off midway
+        # walks every object of the process (0.1 s of a 10,000-tensor header's parse here)
+        with gc_pause.paused():
+            return cls._parse(raw, path, size, data_start)
+
+    @classmethod
+    def _parse(cls, raw: bytes, path: str, size: int, data_start: int) -> "Header":
         try:
-            parsed = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise SafetensorsFileError(f"{path}: the header is not valid JSON: {exc}") from None
-        if not isinstance(parsed, dict):
-            raise SafetensorsFileError(f"{path}: the header is not a JSON object")
-        metadata = parsed.pop("__metadata__", None)
-        if metadata is not None and not (isinstance(metadata, dict) and
-                                         all(isinstance(v, str) for v in metadata.values())):
-            raise SafetensorsFileError(f"{path}: __metadata__ must map strings to strings")
-        _, dtypes, _ = _dtype_table()
-        entries = []
-        for name, info in parsed.items():
-            if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
-                raise SafetensorsFileError(f"{path}: tensor {name!r}: expected dtype, shape and data_offsets, "
-                                           f"got {info!r}")
-            dtype = dtypes.get(info["dtype"])
-            if dtype is None:
-                raise SafetensorsFileError(f"{path}: tensor {name!r} has dtype {info['dtype']!r}, which this "
-                                           "torch cannot hold")
-            shape, offsets = info["shape"], info["data_offsets"]
-            if not (isinstance(shape, list) and all(type(d) is int and 0 <= d < 1 << 63 for d in shape)):
-                raise SafetensorsFileError(f"{path}: tensor {name!r}: bad shape {shape!r}")
-            if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
-                    and 0 <= offsets[0] <= offsets[1]):
-                raise SafetensorsFileError(f"{path}: tensor {name!r}: bad data_offsets {offsets!r}")
-            elements = 1
-            for d in shape:
-                elements *= d
-            if elements >= 1 << 63:
-                raise SafetensorsFileError(f"{path}: tensor {name!r}: shape {shape} has more elements than any file")
-            packed = _PACKED.get(info["dtype"], 1)
-            if packed > 1 and (not shape or shape[-1] % packed):
-                raise SafetensorsFileError(f"{path}: tensor {name!r}: {info['dtype']} packs {packed} values a byte: "
-                                           f"its last dimension must be a multiple of {packed}, shape {shape}")
-            if elements % packed or (elements // packed) * dtype.itemsize != offsets[1] - offsets[0]:
-                raise SafetensorsFileError(
-                    f"{path}: tensor {name!r}: shape {shape} of {info['dtype']} needs "
-                    f"{elements // packed * dtype.itemsize} bytes, its data_offsets give {offsets[1] - offsets[0]}")
-            torch_shape = tuple(shape[:-1]) + (shape[-1] // packed,) if packed > 1 and shape else tuple(shape)
-            entries.append(_Entry(name, dtype, torch_shape, offsets[0], offsets[1]))
-        entries.sort(key=lambda e: (e.begin, e.end))
-        reached = 0
-        for e in entries:
-            if e.begin != reached:
-                what = "a hole" if e.begin > reached else "an overlap"
-                raise SafetensorsFileError(f"{path}: {what} in the data before tensor {e.name!r} (it begins at "
-                                           f"{e.begin}, the data before it ends at {reached})")
-            reached = e.end
-        if data_start + reached != size:
-            raise SafetensorsFileError(f"{path}: the header's tensors end at byte {data_start + reached}, but the "
-                                       f"file has {size} bytes: truncated or extended")
-        return cls({e.name: e for e in entries}, metadata, data_start)
+            parsed = _header_json(raw)
+            if type(parsed) is not tuple:
+                raise _Refused(f"the header is not a JSON object but {_kind(parsed)}")
+            metadata, fields = _MISSING, {}
+            for name, value in parsed:
+                if name == "__metadata__":
+                    if metadata is not _MISSING:
+                        raise _Refused("__metadata__ appears twice (safetensors refuses a duplicate field)")
+                    metadata = _metadata_of(value)
+                else:
+                    fields[name] = _tensor_fields(name, value)  # a name given twice: the last one, as safetensors
+            entries = _checked_entries(fields, size - data_start)
+        except _Refused as exc:
+            raise SafetensorsFileError(f"{path}: {exc}") from None
+        return cls(entries, None if metadata is _MISSING else metadata, data_start)
+
+
+# ---------------------------------------------------------------------------
+# the header's JSON, read by safetensors' rules: serde_json's (safetensors parses the header with it
+# into a struct of an optional "__metadata__" map of strings and a map of tensors, each a struct of
+# dtype, shape and data_offsets), then safetensors' own checks (Metadata::validate), then torch's (a
+# tensor it can make). Python's json parses the text (at C speed: a 10,000-tensor header is read once
+# per file); what serde_json refuses and Python's json takes is refused around it: NaN and Infinity,
+# numbers past a 64-bit float (by serde_json's own reckoning), lone surrogate escapes, nesting of 128
+# or more, duplicate fields, -0 and numbers with a fraction or an exponent where an integer is wanted.
+
+_U64 = (1 << 64) - 1
+_NESTING = 128  # serde_json's recursion limit: a container at this depth (the header itself is 1) is refused
+# every dtype safetensors 0.8 parses (bits each), torch's or not: a name it does not know is a JSON
+# error there, one torch cannot hold (F6) is refused only when a tensor of it is made
+_PARSED_DTYPES = {"BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8,
+                  "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
+                  "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64}
+_FIELDS = ("dtype", "shape", "data_offsets")
+_MISSING = object()
+_POW10 = tuple(float(f"1e{i}") for i in range(309))  # serde_json's table
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # where none is, no string can hold a surrogate
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_MINUS_ZERO = re.compile(rb"-0")  # (re's search: 0.3 ms on a 1 MB header, `in` 0.9 ms)
+
+
+class _Refused(ValueError):
+    """A rule of safetensors' that the header breaks (the message says which)."""
+
+
+def _not_json(name: str):
+    raise _Refused(f"the header is not valid JSON: {name} is not a JSON number (safetensors refuses it)")
+
+
+def _float_literal(literal: str) -> float:
+    if not _within_f64(literal):
+        raise _Refused(f"the number {_short(literal)} is out of range (past the largest 64-bit float; "
+                       "safetensors refuses it)")
+    return float(literal)
+
+
+def _int_literal(literal: str):
+    """Where the header holds "-0": serde_json parses it as the float -0.0."""
+    return -0.0 if literal == "-0" else int(literal)
+
+
+_DECODER = json.JSONDecoder(object_pairs_hook=tuple, parse_float=_float_literal, parse_constant=_not_json)
+_DECODER_MINUS_ZERO = json.JSONDecoder(object_pairs_hook=tuple, parse_float=_float_literal, parse_int=_int_literal,
+                                       parse_constant=_not_json)
+
+
+def _header_json(raw: bytes):
+    """The header's JSON as serde_json reads it: an object is a tuple of its
+    (key, value) pairs, every one of them (duplicates are for the reader to
+    judge), an array a list; integers serde_json takes as integers are
+    ints, every other number a float."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _Refused(f"the header is not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    try:  # "-0" is rare: the int hook costs a call for each integer of the header
+        parsed = (_DECODER_MINUS_ZERO if _MINUS_ZERO.search(raw) else _DECODER).decode(text)
+    except RecursionError:
+        raise _Refused(f"the header nests deeper than {_NESTING - 1} levels (safetensors' JSON parser refuses "
+                       f"{_NESTING})") from None
+    except _Refused:
+        raise
+    except ValueError as exc:
+        raise _Refused(f"the header is not valid JSON: {exc}") from None
+    if _SURROGATE_ESCAPE.search(raw):
+        _refuse_lone_surrogates(parsed)
+    return parsed
+
+
+def _refuse_lone_surrogates(parsed) -> None:
+    """Python's json keeps a \\ud800 with no pair as a lone surrogate;
+    serde_json refuses it. (A pair is one character by then.)"""
+    stack = [parsed]
+    while stack:
+        value = stack.pop()
+        if type(value) is tuple:
+            for key, item in value:
+                if _SURROGATE.search(key):
+                    raise _Refused(f"the key {_short(repr(key))} holds a lone surrogate escape (\\ud800-\\udfff "
+                                   "with no pair; safetensors refuses it)")
+                stack.append(item)
+        elif type(value) is list:
+            stack.extend(value)
+        elif type(value) is str and _SURROGATE.search(value):
+            raise _Refused(f"the string {_short(repr(value))} holds a lone surrogate escape (\\ud800-\\udfff "
+                           "with no pair; safetensors refuses it)")
+
+
+def _within_f64(literal: str) -> bool:
+    """Whether serde_json parses the JSON number literal without "number out
+    of range": its own steps (up to 19 digits kept as an integer, the rest
+    counted in the exponent, then one multiplication by a power of ten),
+    followed here one by one, since near the largest float its verdict is
+    not that of a correctly rounded parse (1.7976931348623158e308 is out of
+    range there)."""
+    i, n = (1 if literal[0] == "-" else 0), len(literal)
+    significand, exponent, dropping = 0, 0, False
+    while i < n and "0" <= literal[i] <= "9":  # the integer part: past u64, each digit raises the exponent
+        digit = ord(literal[i]) - 48
+        if dropping or significand * 10 + digit > _U64:
+            dropping = True
+            exponent += 1
+        else:
+            significand = significand * 10 + digit
+        i += 1
+    if i < n and literal[i] == ".":
+        i, dropping = i + 1, False
+        while i < n and "0" <= literal[i] <= "9":  # past u64, the fraction's digits are dropped
+            digit = ord(literal[i]) - 48
+            if dropping or significand * 10 + digit > _U64:
+                dropping = True
+            else:
+                significand, exponent = significand * 10 + digit, exponent - 1
+            i += 1
+    if i < n and literal[i] in "eE":
+        i += 1
+        negative = literal[i] == "-"
+        i += literal[i] in "+-"
+        digits = literal[i:].lstrip("0") or "0"
+        value = int(digits) if len(digits) <= 10 else 1 << 31
+        if value > (1 << 31) - 1:  # the exponent's own overflow: out of range unless it makes a zero
+            return not (significand and not negative)
+        exponent = max(-(1 << 31), min((1 << 31) - 1, exponent - value if negative else exponent + value))
+    f = float(significand)
+    while True:
+        if abs(exponent) < len(_POW10):
+            return exponent < 0 or f * _POW10[exponent] != float("inf")
+        if f == 0.0:
+            return True
+        if exponent >= 0:
+            return False
+        f /= 1e308
+        exponent += 308
+
+
+def _short(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _kind(value) -> str:
+    """What a parsed JSON value is, with a glimpse of it, for messages."""
+    if type(value) is tuple:
+        return f"an object {_short(_shown(value))}"
+    if type(value) is list:
+        return f"an array {_short(_shown(value))}"
+    if type(value) is str:
+        return f"the string {_short(repr(value))}"
+    if type(value) is int or type(value) is float:
+        return f"the number {_short(_shown(value))}"
+    return _shown(value)
+
+
+def _shown(value) -> str:
+    """A parsed JSON value written back, about as the header has it."""
+    if type(value) is tuple:
+        return "{" + ", ".join(f"{k!r}: {_shown(v)}" for k, v in value[:8]) + (", ..." if len(value) > 8 else "") + "}"
+    if type(value) is list:
+        return "[" + ", ".join(_shown(v) for v in value[:8]) + (", ..." if len(value) > 8 else "") + "]"
+    if type(value) is float and value == 0 and str(value)[0] == "-":
+        return "-0"
+    if value is None or type(value) is bool:
+        return {None: "null", True: "true", False: "false"}[value]
+    return repr(value)
+
+
+def _metadata_of(value) -> Optional[dict]:
+    """__metadata__: null, or an object of strings (a key given twice: its last value)."""
+    if value is None:
+        return None
+    if type(value) is not tuple:
+        raise _Refused(f"__metadata__ must be an object of strings (or null), not {_kind(value)}")
+    for key, item in value:
+        if type(item) is not str:
+            raise _Refused(f"__metadata__ must map strings to strings: {key!r} is {_kind(item)}")
+    return dict(value)
+
+
+def _tensor_fields(name: str, value) -> tuple:
+    """(begin, end, name, dtype name, shape, elements) of a tensor's entry
+    (its offsets first: the order safetensors checks them in): an object with
+    dtype, shape and data_offsets each once (other fields ignored), or an
+    array of the three (serde's other form of a struct); the dtype a
+    string, or serde's other form of it, an object {"F32": null}."""
+    if type(value) is tuple:
+        if len(value) == 3 and value[0][0] == "dtype" and value[1][0] == "shape" and value[2][0] == "data_offsets":
+            dtype, shape, offsets = value[0][1], value[1][1], value[2][1]  # as safetensors writes it
+        else:
+            found = {}
+            for key, item in value:
+                if key in _FIELDS:
+                    if key in found:
+                        raise _Refused(f"tensor {name!r}: duplicate field {key!r} (safetensors refuses it)")
+                    found[key] = item
+                elif type(item) is tuple or type(item) is list or type(item) is int:
+                    _check_ignored(item, name, key)
+            missing = [key for key in _FIELDS if key not in found]
+            if missing:
+                raise _Refused(f"tensor {name!r}: missing field {missing[0]!r}")
+            dtype, shape, offsets = found["dtype"], found["shape"], found["data_offsets"]
+    elif type(value) is list:
+        if len(value) != 3:
+            raise _Refused(f"tensor {name!r}: an array of its fields must have 3 (dtype, shape, data_offsets), "
+                           f"not {len(value)}")
+        dtype, shape, offsets = value
+    else:
+        raise _Refused(f"tensor {name!r}: expected an object of dtype, shape and data_offsets, got {_kind(value)}")
+    if type(dtype) is not str:
+        if not (type(dtype) is tuple and len(dtype) == 1 and dtype[0][1] is None):
+            raise _Refused(f"tensor {name!r}: dtype must be a string, got {_kind(dtype)}")
+        dtype = dtype[0][0]  # {"F32": null}
+    if dtype not in _PARSED_DTYPES and dtype not in _dtype_table()[1]:
+        raise _Refused(f"tensor {name!r}: unknown dtype {_short(repr(dtype))}")
+    if type(shape) is not list:
+        raise _Refused(f"tensor {name!r}: shape must be an array of integers, got {_kind(shape)}")
+    elements = 1
+    for d in shape:
+        if type(d) is not int or d < 0 or d > _U64:
+            raise _Refused(f"tensor {name!r}: bad shape {_short(_shown(shape))}: {_shown(d)} is not an integer from "
+                           "0 to 2**64-1 (to safetensors, -0 and numbers with a fraction or an exponent are not)")
+        if elements is not None:
+            elements *= d
+            if elements > _U64:  # safetensors multiplies in 64 bits, in order: a later 0 does not help
+                elements = None  # refused once the tensor is known to be this name's last (_checked_entries)
+    if type(offsets) is not list or len(offsets) != 2:
+        raise _Refused(f"tensor {name!r}: data_offsets must be an array of 2 integers, got {_kind(offsets)}")
+    begin, end = offsets
+    for o in offsets:
+        if type(o) is not int or o < 0 or o > _U64:
+            raise _Refused(f"tensor {name!r}: bad data_offsets {_shown(offsets)}: {_shown(o)} is not an integer "
+                           "from 0 to 2**64-1 (to safetensors, -0 and numbers with a fraction or an exponent are not)")
+    return begin, end, name, dtype, shape, elements
+
+
+def _check_ignored(value, name: str, key: str) -> None:
+    """A field safetensors ignores is still parsed whole: nesting under the
+    limit, integers within serde_json's range (a float past u64/i64)."""
+    stack = [(value, 3)]  # the header is depth 1, the tensor's object 2
+    while stack:
+        item, depth = stack.pop()
+        if type(item) is int:
+            if (item > _U64 or item < -(1 << 63)) and not _within_f64(str(item)):
+                raise _Refused(f"tensor {name!r}, field {key!r}: the number {_short(str(item))} is out of range "
+                               "(past the largest 64-bit float; safetensors refuses it)")
+            continue
+        if type(item) is not tuple and type(item) is not list:
+            continue
+        if depth >= _NESTING:
+            raise _Refused(f"tensor {name!r}, field {key!r}: the header nests deeper than {_NESTING - 1} levels "
+                           f"(safetensors' JSON parser refuses {_NESTING})")
+        stack.extend((v, depth + 1) for v in (item if type(item) is list else (v for _, v in item)))
+
+
+def _checked_entries(fields: dict, data_size: int) -> dict:
+    """{name: _Entry} in file order, from {name: _tensor_fields(...)},
+    checked as safetensors checks them (Metadata::validate: in the order of
+    their offsets, each beginning where the one before ends; bit counts
+    within 64 bits, whole bytes, as many as the offsets give; together the
+    whole data section), then as its torch side makes them."""
+    _, dtypes, _ = _dtype_table()
+    reached, entries, cannot = 0, {}, None
+    for begin, end, name, dtype_name, shape, elements in sorted(fields.values()):  # names differ: no shapes compared
+        if begin != reached or end < begin:
+            what = ("ends before it begins" if end < begin else "leaves a hole before it" if begin > reached
+                    else "overlaps the tensor before it")
+            raise _Refused(f"tensor {name!r}: data_offsets [{begin}, {end}] {what} (the data before it ends at "
+                           f"{reached})")
+        reached = end
+        if elements is None:
+            raise _Refused(f"tensor {name!r}: shape {_short(_shown(shape))} overflows 64 bits counting its "
+                           "elements (safetensors refuses it)")
+        dtype = dtypes.get(dtype_name)
+        bits = _PARSED_DTYPES.get(dtype_name) or dtype.itemsize * 8 // _PACKED.get(dtype_name, 1)
+        if elements * bits != (end - begin) * 8 or elements * bits > _U64:
+            if elements * bits > _U64:
+                raise _Refused(f"tensor {name!r}: shape {_short(_shown(shape))} of {dtype_name} overflows 64 bits "
+                               "counting its bits (safetensors refuses it)")
+            if elements * bits % 8:
+                raise _Refused(f"tensor {name!r}: shape {_shown(shape)} of {dtype_name} ({bits} bits each) does "
+                               "not end on a byte")
+            raise _Refused(f"tensor {name!r}: shape {_short(_shown(shape))} of {dtype_name} needs "
+                           f"{elements * bits // 8} bytes, its data_offsets give {end - begin}")
+        # what safetensors' parser takes and its torch side cannot make (kept for after the parser's checks)
+        packed = _PACKED.get(dtype_name, 1)
+        if dtype is None:
+            cannot = cannot or f"tensor {name!r} has dtype {dtype_name}, which this torch cannot hold"
+            continue
+        if packed > 1:  # shape[-1] is there: a 0-d one has no whole byte (above)
+            if shape[-1] % packed:
+                cannot = cannot or (f"tensor {name!r}: {dtype_name} packs {packed} values a byte: its last "
+                                    f"dimension must be divisible by {packed}, shape {_shown(shape)}")
+                continue
+            shape = shape[:-1] + [shape[-1] // packed]
+        if not elements:  # (with elements, each dimension is below the file's size)
+            if any(d >> 63 for d in shape):
+                cannot = cannot or (f"tensor {name!r}: shape {_short(_shown(shape))} (in torch's elements) has a "
+                                    "dimension of 2**63 or more, which torch cannot hold")
+                continue
+            try:  # as it is made (_empty): its strides must be within 64 bits
+                _empty(tuple(shape), torch.uint8)
+            except RuntimeError as exc:
+                cannot = cannot or f"tensor {name!r}: torch cannot make shape {_short(_shown(shape))}: {exc}"
+                continue
+        entries[name] = _Entry(name, dtype, tuple(shape), begin, end)
+    if reached != data_size:
+        raise _Refused(f"the header's tensors end at byte {reached} of the data, but the file has {data_size} "
+                       "bytes of data after the header: truncated or extended")
+    if cannot:
+        raise _Refused(cannot)
+    return entries
 
 
 def header_bytes(tensors: Dict[str, torch.Tensor], metadata: Optional[Dict[str, str]] = None,
@@ -377,6 +668,13 @@ def save(tensors: Dict[str, torch.Tensor], metadata: Optional[Dict[str, str]] = 
 # loading
 
 
+def _empty(shape: tuple, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """A tensor of no elements, made as safetensors makes it: a view of an
+    empty one, whose strides stay within 64 bits where torch.empty's
+    contiguous ones need not ([0, 2**40, 2**40])."""
+    return torch.empty(0, dtype=dtype, device=device).view(shape)
+
+
 def _tensor_at(buffer, entry: _Entry, data_start: int):
     """entry's tensor over its bytes of buffer (the whole file's), with a
     storage of its own (so that torch.save of one tensor, or a check for
@@ -384,7 +682,7 @@ def _tensor_at(buffer, entry: _Entry, data_start: int):
     its offset does not suit its dtype's alignment."""
     offset = data_start + entry.begin
     if not entry.nbytes:
-        return torch.empty(entry.shape, dtype=entry.dtype)
+        return _empty(entry.shape, entry.dtype)
     byte_view = torch.frombuffer(buffer, dtype=torch.uint8, count=entry.nbytes, offset=offset)
     if offset % entry.dtype.itemsize:
         byte_view = byte_view.clone()
@@ -423,7 +721,8 @@ def load_file(filename, device="cpu", *, backend: Optional[str] = None, verify: 
                 buffer = image.as_buffer()
             out = {k: _tensor_at(buffer, e, header.data_start) for k, e in header.entries.items()}
             return _verified(out, header, path) if verify else out
-        out = {k: torch.empty(e.shape, dtype=e.dtype, device=target) for k, e in header.entries.items()}
+        out = {k: torch.empty(e.shape, dtype=e.dtype, device=target) if e.nbytes else _empty(e.shape, e.dtype, target)
+               for k, e in header.entries.items()}
         pieces = [device_io.Piece(header.data_start + e.begin, e.nbytes, device_io.byte_view(out[k].untyped_storage()))
                   for k, e in header.entries.items() if e.nbytes]
         try:
@@ -623,7 +922,7 @@ class safe_open:  # noqa: N801 - safetensors' name
         shape = (stop - first,) + tuple(entry.shape[1:]) if entry.shape else ()
         nbytes = (stop - first) * row_bytes
         if not nbytes:
-            return torch.empty(shape, dtype=entry.dtype, device=self.device)
+            return _empty(shape, entry.dtype, self.device)
         offset = self._header.data_start + entry.begin + first * row_bytes
         opts = current_options()
         try:
