@@ -23,7 +23,8 @@ the same tensors and metadata; every other one (not JSON as serde_json reads
 it: NaN, numbers out of range, lone surrogate escapes, nesting of 128 or
 more; a duplicate field; -0 or 1.0 for an integer; offsets with holes or
 overlaps; a size that disagrees with the header; an unknown dtype) raises
-``SafetensorsFileError`` naming the file and the problem.
+``SafetensorsFileError`` naming the file and the problem. Devices other than
+the CPU and CUDA (mps, xpu, npu, ...) are left to safetensors' own loads.
 """
 from __future__ import annotations
 
@@ -700,13 +701,20 @@ def load_file(filename, device="cpu", *, backend: Optional[str] = None, verify: 
     of mmap or pread) is accepted and ignored: the engine reads.
     verify: check each tensor against the CRC-32 ``save_file(...,
     checksums=True)`` kept; SafetensorsFileError naming the first tensor
-    that differs, or where the file keeps none."""
+    that differs, or where the file keeps none. Other devices (``"mps"``,
+    ``"xpu"``, ``"npu"``, ...) are loaded by safetensors' own load_file."""
     from . import device_io
     from .fileio import reading_engine
     from .load import _CheckpointImage
 
-    path = os.fspath(filename)
     target = _device_of(device)
+    if target is None:  # mps, xpu, npu, ...: safetensors' own
+        original = _safetensors_own("load_file")
+        if original is load_file:
+            raise ValueError(f"fastpersist.safetensors loads to the CPU or a CUDA device, not {device!r}")
+        out = original(filename, device=device, **({} if backend is None else {"backend": backend}))
+        return _verified(out, _header_of(os.fspath(filename)), os.fspath(filename)) if verify else out
+    path = os.fspath(filename)
     opts = current_options()
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
@@ -738,6 +746,11 @@ def load_file(filename, device="cpu", *, backend: Optional[str] = None, verify: 
             os.close(fd)
 
 
+def _header_of(path: str) -> Header:
+    with open(path, "rb") as f:
+        return Header.read(f.fileno(), path, os.fstat(f.fileno()).st_size)
+
+
 def _verified(tensors: dict, header: Header, path: str) -> dict:
     kept = (header.metadata or {}).get(CHECKSUMS_KEY)
     if kept is None:
@@ -750,7 +763,10 @@ def _verified(tensors: dict, header: Header, path: str) -> dict:
     for name in header.entries:
         if name not in sums:
             raise SafetensorsFileError(f"{path}: no checksum kept for tensor {name!r}")
-        if f"{_crc_of(tensors[name]):08x}" != sums[name]:
+        tensor = tensors[name]
+        if tensor.device.type not in ("cpu", "cuda"):  # loaded by safetensors to another device
+            tensor = tensor.cpu()
+        if f"{_crc_of(tensor):08x}" != sums[name]:
             raise SafetensorsFileError(f"{path}: tensor {name!r} fails its CRC-32 check: the file is corrupt")
     return tensors
 
@@ -768,13 +784,40 @@ def load(data: bytes) -> Dict[str, torch.Tensor]:
     return {k: _tensor_at(buffer, e, header.data_start) for k, e in header.entries.items()}
 
 
-def _device_of(device) -> torch.device:
-    target = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    if target.type not in ("cpu", "cuda"):
-        raise ValueError(f"fastpersist.safetensors loads to the CPU or a CUDA device, not {device!r}")
+def _device_of(device) -> Optional[torch.device]:
+    """The device fastpersist loads to (the CPU or a CUDA device), or None
+    where safetensors' own functions are to load: any other device (mps,
+    xpu, npu, hpu, ...: safetensors knows how each is reached, and says
+    what it refuses); an int where the machine's accelerator is not CUDA."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        accelerator = getattr(getattr(torch, "accelerator", None), "current_accelerator", lambda: None)()
+        if accelerator is not None and accelerator.type != "cuda":
+            return None
+        target = torch.device("cuda", device)
+    else:
+        try:
+            target = torch.device(device)
+        except (RuntimeError, TypeError, ValueError):
+            return None  # a name torch does not parse: safetensors' own refusal
+        if target.type not in ("cpu", "cuda"):
+            return None
     if target.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"device={device!r}: no CUDA device is usable here (torch.cuda.is_available() is False)")
     return target
+
+
+def _safetensors_own(name: str):
+    """safetensors' own load_file or safe_open, whatever the patch has bound
+    to the names; ValueError where safetensors is not installed."""
+    try:
+        import safetensors
+        import safetensors.torch as reference
+    except ImportError:
+        raise ValueError("fastpersist.safetensors loads to the CPU or a CUDA device; other devices are "
+                         "safetensors' own, which is not installed") from None
+    if name == "safe_open":
+        return getattr(safetensors, "_fastpersist_original_safe_open", safetensors.safe_open)
+    return getattr(reference, "_fastpersist_original_" + name, getattr(reference, name))
 
 
 _TORCH_FRAMEWORKS = ("pt", "torch", "pytorch")
@@ -786,7 +829,8 @@ class safe_open:  # noqa: N801 - safetensors' name
     ``get_slice(name)``; a context manager. Only the header is read when
     opened; each tensor when asked for (the rows a slice of its first
     dimension needs, where that is all it needs). Other frameworks than
-    torch ("np", "flax", ...) are handed to safetensors' own safe_open;
+    torch ("np", "flax", ...) and other devices than the CPU and CUDA
+    ("mps", "xpu", "npu", ...) are handed to safetensors' own safe_open;
     ``backend`` is accepted and ignored (the engine reads).
 
     On the CPU the file is read in chunks: runs of whole tensors of about
@@ -797,17 +841,24 @@ class safe_open:  # noqa: N801 - safetensors' name
     storage of its own; the safe_open lets go of a chunk once each of its
     tensors has been handed out, so its memory lives as long as those
     tensors do, and no longer. Rows of a tensor (a slice), and a tensor
-    asked for again, are copies (safetensors' tensors share no memory),
-    read from the file where their chunk is not held: a slice never reads
-    the chunk around it."""
+    asked for again, are copies, read from the file where their chunk is
+    not held: a slice never reads the chunk around it. So no two tensors
+    handed out share memory. safetensors' own safe_open differs there: with
+    its default backend (a mapping of the file) a name asked for twice is
+    one memory, views of the mapping (writing into one changes the other),
+    and only backend="pread" copies. fastpersist copies because its chunks
+    are memory of the process, let go of once handed out: holding each for
+    a second ask would keep every tensor read until close(), where
+    safetensors' mapping is page cache the kernel can take back; and a
+    copy keeps one caller's in-place change out of another's tensor."""
 
     def __new__(cls, filename, framework: str = "pt", device="cpu", backend: Optional[str] = None):
-        if framework not in _TORCH_FRAMEWORKS:  # numpy, flax, ...: safetensors' own, untouched
-            import safetensors
-
-            original = getattr(safetensors, "_fastpersist_original_safe_open", safetensors.safe_open)
+        # numpy, flax, ...; devices other than the CPU and CUDA (mps, xpu, npu, ...): safetensors' own
+        if framework not in _TORCH_FRAMEWORKS or _device_of(device) is None:
+            original = _safetensors_own("safe_open")
             if original is cls:
-                raise ValueError(f"fastpersist.safetensors.safe_open reads torch tensors, not {framework!r}")
+                raise ValueError(f"fastpersist.safetensors.safe_open reads torch tensors to the CPU or a CUDA "
+                                 f"device, not framework={framework!r}, device={device!r}")
             kwargs = {} if backend is None else {"backend": backend}
             return original(filename, framework=framework, device=device, **kwargs)
         return super().__new__(cls)

@@ -226,3 +226,98 @@ def test_a_duplicate_field_is_not_the_last_one_read():
     content = _file('{"a":{"dtype":"I32","dtype":"F32","shape":[1],"data_offsets":[0,4]}}', ONE)
     with pytest.raises(SafetensorsFileError, match="duplicate field 'dtype'"):
         fst.load(content)
+
+
+# ---------------------------------------------------------------------------
+# other devices: safetensors' own
+
+
+def _a_file(tmp_path) -> str:
+    path = str(tmp_path / "d.safetensors")
+    st.save_file({"a": torch.arange(6.0)}, path)
+    return path
+
+
+def _failure(call):
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001
+        return type(exc), str(exc)
+    return None
+
+
+def _get_all(opener, path, device):
+    with opener(path, framework="pt", device=device) as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+@pytest.mark.parametrize("device", ["mps", "xpu", "npu", "meta", "hpu"])
+def test_other_devices_load_as_safetensors_loads_them(tmp_path, device):
+    """This machine has none of these: safetensors' own errors (or tensors)
+    come back, not fastpersist's refusal of the device."""
+    path = _a_file(tmp_path)
+    theirs = _failure(lambda: ORIGINAL_LOAD_FILE(path, device=device))
+    assert _failure(lambda: fst.load_file(path, device=device)) == theirs
+    assert _failure(lambda: _get_all(fst.safe_open, path, device)) == \
+        _failure(lambda: _get_all(ORIGINAL_SAFE_OPEN, path, device))
+    was = fastpersist.is_patched()
+    fastpersist.patch()
+    try:  # through the patched names, as transformers calls them
+        assert _failure(lambda: st.load_file(path, device=device)) == theirs
+        assert _failure(lambda: _get_all(safetensors.safe_open, path, device)) == \
+            _failure(lambda: _get_all(ORIGINAL_SAFE_OPEN, path, device))
+    finally:
+        fastpersist.patch() if was else fastpersist.unpatch()
+
+
+def test_other_devices_are_handed_to_safetensors_with_what_was_passed(tmp_path, monkeypatch):
+    path = _a_file(tmp_path)
+    calls = []
+
+    def their_safe_open(filename, framework="pt", device="cpu", **kwargs):
+        calls.append(("safe_open", filename, framework, device, kwargs))
+        return "theirs"
+
+    def their_load_file(filename, device="cpu", **kwargs):
+        calls.append(("load_file", filename, device, kwargs))
+        return {"a": torch.zeros(1)}
+
+    monkeypatch.setattr(safetensors, "_fastpersist_original_safe_open", their_safe_open, raising=False)
+    monkeypatch.setattr(st, "_fastpersist_original_load_file", their_load_file, raising=False)
+    assert fst.safe_open(path, framework="pt", device="xpu:1", backend="pread") == "theirs"
+    assert fst.safe_open(path, device=torch.device("mps")) == "theirs"
+    assert list(fst.load_file(path, device="npu:0")) == ["a"]
+    assert fst.load_file(path, device="mps", backend="pread")["a"].shape == (1,)
+    assert calls == [("safe_open", path, "pt", "xpu:1", {"backend": "pread"}),
+                     ("safe_open", path, "pt", torch.device("mps"), {}),
+                     ("load_file", path, "npu:0", {}),
+                     ("load_file", path, "mps", {"backend": "pread"})]
+    # the CPU and CUDA stay fastpersist's
+    assert torch.equal(fst.load_file(path)["a"], torch.arange(6.0)) and len(calls) == 4
+
+
+def test_what_the_safe_open_docstring_says_of_a_name_asked_for_twice(tmp_path):
+    """safetensors' safe_open (its mapping) hands out one memory for a name
+    asked for twice, and a copy with backend="pread"; fastpersist's, a copy."""
+    path = _a_file(tmp_path)
+    with ORIGINAL_SAFE_OPEN(path, framework="pt") as f:
+        assert f.get_tensor("a").data_ptr() == f.get_tensor("a").data_ptr()
+    with ORIGINAL_SAFE_OPEN(path, framework="pt", backend="pread") as f:
+        assert f.get_tensor("a").data_ptr() != f.get_tensor("a").data_ptr()
+    with fst.safe_open(path, framework="pt") as f:
+        first, again = f.get_tensor("a"), f.get_tensor("a")
+        assert first.untyped_storage().data_ptr() != again.untyped_storage().data_ptr()
+    assert "one memory" in fst.safe_open.__doc__ and "share no memory" not in fst.safe_open.__doc__
+
+
+def test_what_safetensors_loads_to_another_device_is_verified(tmp_path, monkeypatch):
+    path = str(tmp_path / "v.safetensors")
+    fst.save_file({"a": torch.arange(6.0), "b": torch.ones(3)}, path, checksums=True)
+    loaded = {}
+    monkeypatch.setattr(st, "_fastpersist_original_load_file", lambda filename, device="cpu", **kw: loaded,
+                        raising=False)
+    loaded.update(ORIGINAL_LOAD_FILE(path))
+    assert torch.equal(fst.load_file(path, device="xpu", verify=True)["b"], torch.ones(3))
+    loaded["b"] = torch.zeros(3)  # as if a byte had flipped on the way
+    with pytest.raises(SafetensorsFileError, match="tensor 'b' fails its CRC-32 check"):
+        fst.load_file(path, device="xpu", verify=True)
