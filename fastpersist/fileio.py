@@ -312,15 +312,25 @@ def _libc():
 
 def cached_fraction(fd: int, size: int, offset: int = 0) -> "float | None":
     """The fraction of an open file's size bytes from offset (its first
-    ones by default) in the page cache (mincore over a read-only shared
-    mapping of them, made and unmade here), or None where it cannot be told."""
+    ones by default) in the page cache, or None where it cannot be told."""
+    raw = resident_pages(fd, size, offset)
+    if raw is None:
+        return None
+    return (len(raw) - raw.count(0)) / len(raw) if raw else 0.0
+
+
+def resident_pages(fd: int, size: int, offset: int = 0) -> "bytes | None":
+    """One byte per page of an open file's size bytes from offset (the page
+    holding offset first), non-zero where the page is in the page cache
+    (mincore over a read-only shared mapping of them, made and unmade
+    here); None where it cannot be told."""
     import ctypes
     import mmap
 
     size += offset % mmap.PAGESIZE  # a mapping starts on a page
     offset -= offset % mmap.PAGESIZE
     if size <= 0:
-        return 0.0
+        return b""
     libc = _libc()
     address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset)
     if address in (None, ctypes.c_void_p(-1).value):
@@ -330,7 +340,6 @@ def cached_fraction(fd: int, size: int, offset: int = 0) -> "float | None":
         resident = ctypes.create_string_buffer(pages)
         if libc.mincore(address, size, resident) != 0:
             return None
-        raw = resident.raw  # one byte a page; its low bit: resident (the others are reserved, zero today)
-        return (pages - raw.count(0)) / pages
+        return resident.raw  # one byte a page; its low bit: resident (the others are reserved, zero today)
     finally:
         libc.munmap(address, size)

@@ -32,13 +32,15 @@ from typing import Optional
 
 from . import _engine
 from .fileio import _libc, _usable_cpus, cached_fraction, prefaulting, read_extents as engine_read_extents
-from .fileio import reading_engine
+from .fileio import reading_engine, resident_pages
 from .options import Options
 
 # below this a file with no engine idle is read through the page cache (see above)
 SMALL_FILE_BYTES = 64 << 20
-# this fraction of a file in the page cache and it is read from there, not from the device again
+# this fraction of a file in the page cache and it is read from there, not from the device again; a
+# file less cached is judged span by span, MIXED_SPAN bytes each
 CACHED_ENOUGH = 0.9
+MIXED_SPAN = 2 << 20
 
 # extents closer than GATHER_GAP are read by one preadv (the gap into a scratch buffer), up to
 # GATHER_IOVECS pieces: a checkpoint's small tensors, their records' headers between them
@@ -78,20 +80,104 @@ def read_extents(fd: int, path: str, size: int, options: Options, extents, check
     Returns {(offset, nbytes): crc} with checksums, else {}; raises EOFError
     where the file ended early, OSError naming the path and offset.
 
+    A file partly in the page cache is read both ways at once: its cached
+    spans (MIXED_SPAN bytes each, CACHED_ENOUGH of their pages in) by the
+    page-cache readers, the rest by the engine, so that neither mode reads
+    what the other does better.
+
     fresh: the destinations may be memory never touched; its pages are
     faulted in by the readers (page cache) or by helper threads ahead of the
     engine's copies, not one page fault at a time in a copy loop.
     started, if given, is set once only the read's own work is left (the
     caller, waiting to unpickle meanwhile, then goes on)."""
-    if through_page_cache(fd, size, options):
+    if size < SMALL_FILE_BYTES and not _engine.has_idle(options, size):
+        cached, uncached = extents, []
+    else:
+        cached, uncached = _split_by_residency(fd, size, extents)
+    if not uncached:
         if started is not None:
             started.set()
         return pread_extents(fd, path, extents, checksums, threads=read_threads(options), populate=fresh)
+    if not cached:
+        return _engine_read(fd, path, size, options, extents, checksums, fresh, started)
+    return _read_both_ways(fd, path, size, options, cached, uncached, checksums, fresh, started)
+
+
+def _engine_read(fd: int, path: str, size: int, options: Options, extents, checksums: bool, fresh: bool,
+                 started: Optional[threading.Event]) -> dict:
     with prefaulting(extents, read_threads(options)) if fresh else contextlib.nullcontext():
         with reading_engine(path, options, size, fd) as (engine, direct_fd):
             if started is not None:
                 started.set()
             return engine_read_extents(engine, direct_fd, fd, path, extents, checksums)
+
+
+def _split_by_residency(fd: int, size: int, extents) -> tuple:
+    """([(address, offset, nbytes, whole extent)] in the page cache,
+    [...] not), each extent cut where its spans change kind; all of them
+    on one side where CACHED_ENOUGH of the file is in (or out), or where
+    the page cache cannot be asked."""
+    raw = resident_pages(fd, size)
+    if raw is None:
+        return [], list(extents)
+    pages = len(raw)
+    if not pages or (pages - raw.count(0)) / pages >= CACHED_ENOUGH:
+        return list(extents), []
+    per_span = MIXED_SPAN // mmap.PAGESIZE
+    spans = [(per_span - raw.count(0, i, i + per_span)) / min(per_span, pages - i) >= CACHED_ENOUGH
+             for i in range(0, pages, per_span)]
+    if not any(spans):
+        return [], list(extents)
+    cached, uncached = [], []
+    for extent in extents:
+        address, offset, nbytes = extent
+        at, end = offset, offset + nbytes
+        while at < end:
+            kind = spans[min(at // MIXED_SPAN, len(spans) - 1)]
+            stop = min(end, (at // MIXED_SPAN + 1) * MIXED_SPAN)
+            while stop < end and spans[min(stop // MIXED_SPAN, len(spans) - 1)] == kind:
+                stop = min(end, stop + MIXED_SPAN)
+            (cached if kind else uncached).append((address + at - offset, at, stop - at, extent))
+            at = stop
+    return cached, uncached
+
+
+def _read_both_ways(fd: int, path: str, size: int, options: Options, cached: list, uncached: list,
+                    checksums: bool, fresh: bool, started: Optional[threading.Event]) -> dict:
+    """The cached pieces by the page-cache readers on a thread of their
+    own, the others by the engine on this one, at once; the CRC of each
+    extent read in pieces is combined from theirs, in file order."""
+    found: dict = {}
+    failed: list = []
+
+    def read_cached() -> None:
+        try:
+            found["cached"] = pread_extents(fd, path, [p[:3] for p in cached], checksums,
+                                            threads=read_threads(options), populate=fresh)
+        except BaseException as exc:  # noqa: BLE001 - raised by the caller below
+            failed.append(exc)
+
+    thread = threading.Thread(target=read_cached, name="fastpersist-read", daemon=True)
+    thread.start()
+    try:
+        crcs = _engine_read(fd, path, size, options, [p[:3] for p in uncached], checksums, fresh, started)
+    finally:
+        thread.join()
+    if failed:
+        raise failed[0]
+    if not checksums:
+        return {}
+    crcs.update(found["cached"])
+    pieces: dict = {}  # whole extent -> {(offset, nbytes)} of its pieces (an extent asked twice: once)
+    for piece in cached + uncached:
+        pieces.setdefault(piece[3][1:], set()).add(piece[1:3])
+    whole = {}
+    for (offset, nbytes), parts in pieces.items():
+        crc = None
+        for part in sorted(parts):
+            crc = crcs[part] if crc is None else _engine.crc32_combine(crc, crcs[part], part[1])
+        whole[offset, nbytes] = crc
+    return whole
 
 
 def pread_extents(fd: int, path: str, extents, checksums: bool, threads: int = 1, populate: bool = False) -> dict:

@@ -187,3 +187,41 @@ def test_every_load_reads_through_the_pipeline(folder, monkeypatch, page_cache_r
     fastpersist.load_into(target, folder / "s.pt", verify=True)
     for k in ("emb", "tied", "b", "h"):
         assert torch.equal(target[k], theirs[k])
+
+
+def test_a_partly_cached_file_is_read_both_ways_at_once(folder, page_cache_reads, monkeypatch):
+    """Spans in the page cache through the readers, the rest through the
+    engine: every byte where asked, each extent's CRC whole."""
+    size = 48 * MiB + 1000
+    path = _file(folder, size, 5)
+    data = path.read_bytes()
+    if not _evicted(path):
+        pytest.skip("this filesystem keeps the file in the page cache")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.pread(fd, 12 * MiB, 20 * MiB)  # spans 10..15 in the page cache: a quarter of the file
+        modes = {}
+        real_pread, real_engine = read_pipeline.pread_extents, read_pipeline.engine_read_extents
+        monkeypatch.setattr(read_pipeline, "pread_extents",
+                            lambda fd, path, ext, *a, **k: (modes.setdefault("pread", []).extend(ext),
+                                                            real_pread(fd, path, ext, *a, **k))[1])
+        monkeypatch.setattr(read_pipeline, "engine_read_extents",
+                            lambda e, d, fd, path, ext, *a, **k: (modes.setdefault("engine", []).extend(ext),
+                                                                  real_engine(e, d, fd, path, ext, *a, **k))[1])
+        _engine.release(_engine.acquire(Options()))
+        memory = mmap.mmap(-1, 2 * size)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(memory))
+        extents = [(base, 0, 30 * MiB), (base + 30 * MiB, 30 * MiB, size - 30 * MiB), (base + size, 100, 4000),
+                   (base + size + 8192, 19 * MiB, 3 * MiB), (base + size + 8192, 19 * MiB, 3 * MiB)]
+        crcs = read_pipeline.read_extents(fd, str(path), size, Options(), extents, checksums=True, fresh=True)
+    finally:
+        os.close(fd)
+    # (the kernel's read-ahead may have brought in more than was read: the spans around are either's)
+    cached = sorted((o, o + n) for _, o, n in modes["pread"])
+    assert any(a <= 20 * MiB and b >= 30 * MiB for a, b in cached) and any(a <= 30 * MiB < 32 * MiB <= b
+                                                                          for a, b in cached)
+    assert all(o + n <= 20 * MiB or o >= 32 * MiB for _, o, n in modes["engine"]) and modes["engine"]
+    for address, offset, n in extents:
+        assert memory[address - base:address - base + n] == data[offset:offset + n]
+        assert crcs[offset, n] == zlib.crc32(data[offset:offset + n])
+    assert len(crcs) == 4
