@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import fastpersist
+from fastpersist import load_memory
 from fastpersist import CheckpointError
 from fastpersist.patching import original_load, original_save
 from fastpersist.torch_format import ArchiveIndex
@@ -76,7 +77,7 @@ def test_file_shrinking_during_the_read(folder, monkeypatch):
     load_module.release_load_memory()
     with pytest.raises(CheckpointError, match=r"c.pt: the file ended before its \d+ bytes were read"):
         fastpersist.load(path)
-    assert len(load_module._freed_images.kept()) == 1
+    assert len(load_memory._freed_images.kept()) == 1
 
 
 @pytest.mark.parametrize("old, new, message", [

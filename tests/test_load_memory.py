@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import fastpersist
+from fastpersist import load_memory
 
 load_module = sys.modules["fastpersist.load"]  # the package's `load` attribute is the function
 
@@ -38,8 +39,8 @@ def pool_state() -> str:
     """Why the pool might hold less than expected: for assertion messages."""
     from fastpersist.options import current_options
 
-    return (f"kept for {current_options().load_memory_seconds} s; room {load_module._available_memory() >> 20} MiB; "
-            f"free {len(load_module._freed_images.free)}, unfiled {len(load_module._freed_images.returned)}")
+    return (f"kept for {current_options().load_memory_seconds} s; room {load_memory._available_memory() >> 20} MiB; "
+            f"free {len(load_memory._freed_images.free)}, unfiled {len(load_memory._freed_images.returned)}")
 
 
 def rss() -> int:
@@ -63,7 +64,7 @@ def test_a_later_load_reuses_the_memory_of_freed_results_and_sees_only_its_own_b
     assert two["w"].data_ptr() != address
     del one
     gc.collect()
-    assert len(load_module._freed_images.kept()) == 1, pool_state()
+    assert len(load_memory._freed_images.kept()) == 1, pool_state()
     three = fastpersist.load(second)
     assert three["w"].data_ptr() == address  # the freed mapping, touched already
     assert torch.equal(three["w"], torch.full((3 << 20,), 2.0)) and torch.equal(three["tail"], torch.arange(5))
@@ -72,7 +73,7 @@ def test_a_later_load_reuses_the_memory_of_freed_results_and_sees_only_its_own_b
     del two, three
     gc.collect()
     load_module.release_load_memory()
-    assert not load_module._freed_images.kept()
+    assert not load_memory._freed_images.kept()
 
 
 def test_freed_load_memory_is_bounded_in_count(folder, keep):
@@ -83,7 +84,7 @@ def test_freed_load_memory_is_bounded_in_count(folder, keep):
     results = [fastpersist.load(p) for p in paths]
     del results
     gc.collect()
-    assert len(load_module._freed_images.kept()) == load_module._FreedImages.KEEP
+    assert len(load_memory._freed_images.kept()) == load_memory._FreedImages.KEEP
 
 
 def test_freed_load_memory_goes_back_to_the_system_when_idle(folder, keep):
@@ -95,15 +96,15 @@ def test_freed_load_memory_goes_back_to_the_system_when_idle(folder, keep):
     result = fastpersist.load(path)
     assert float(result["w"].sum()) == 64 << 20  # touched: resident
     loaded = rss()
-    memory = load_module._freed_images  # noqa: F841 - the pool of this process
+    memory = load_memory._freed_images  # noqa: F841 - the pool of this process
     del result
     gc.collect()
-    assert len(load_module._freed_images.free) + len(load_module._freed_images.returned) >= 1
+    assert len(load_memory._freed_images.free) + len(load_memory._freed_images.returned) >= 1
     deadline = time.monotonic() + 30
-    while (load_module._freed_images.free or load_module._freed_images.returned) \
+    while (load_memory._freed_images.free or load_memory._freed_images.returned) \
             and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not load_module._freed_images.free and not load_module._freed_images.returned, \
+    assert not load_memory._freed_images.free and not load_memory._freed_images.returned, \
         "freed load memory was still kept 30 s after load_memory_seconds=0.5"
     assert loaded - rss() > 200 << 20, "the memory was dropped from the pool but not given back"
 
@@ -115,7 +116,7 @@ def test_zero_seconds_keeps_nothing(folder, keep):
     result = fastpersist.load(path)
     del result
     gc.collect()
-    assert load_module._freed_images.kept() == []
+    assert load_memory._freed_images.kept() == []
 
 
 def test_nothing_is_kept_under_memory_pressure(folder, keep, monkeypatch):
@@ -123,10 +124,10 @@ def test_nothing_is_kept_under_memory_pressure(folder, keep, monkeypatch):
     path = folder / "c.pt"
     torch.save({"w": torch.ones(1 << 20)}, path)
     result = fastpersist.load(path)
-    monkeypatch.setattr(load_module, "_available_memory", lambda: 1 << 20)  # less than the 4 MiB result
+    monkeypatch.setattr(load_memory, "_available_memory", lambda: 1 << 20)  # less than the 4 MiB result
     del result
     gc.collect()
-    assert load_module._freed_images.kept() == []
+    assert load_memory._freed_images.kept() == []
 
 
 def test_release_load_memory_gives_it_back_now(folder, keep):
@@ -135,10 +136,10 @@ def test_release_load_memory_gives_it_back_now(folder, keep):
     result = fastpersist.load(path)
     del result
     gc.collect()
-    kept = load_module._freed_images.kept()
+    kept = load_memory._freed_images.kept()
     assert len(kept) == 1, pool_state()
     fastpersist.release_load_memory()
-    assert kept[0].closed and load_module._freed_images.kept() == []
+    assert kept[0].closed and load_memory._freed_images.kept() == []
 
 
 def test_a_forked_child_keeps_none_of_the_parents_freed_load_memory(folder, keep):
@@ -149,17 +150,17 @@ def test_a_forked_child_keeps_none_of_the_parents_freed_load_memory(folder, keep
     result = fastpersist.load(path)
     del result
     gc.collect()
-    kept = load_module._freed_images.kept()
+    kept = load_memory._freed_images.kept()
     assert kept
 
     def child():
-        assert not sys.modules["fastpersist.load"]._freed_images.kept()
+        assert not sys.modules["fastpersist.load_memory"]._freed_images.kept()
         assert torch.equal(fastpersist.load(path)["w"], torch.zeros(1 << 20))
 
     _, status = os.waitpid(fork_child(child), 0)
     assert os.waitstatus_to_exitcode(status) == 0, "the load in the forked child failed (see stderr)"
     # the parent gave it back before forking: the child's pages would have been its copy
-    assert kept[0].closed and not load_module._freed_images.kept()
+    assert kept[0].closed and not load_memory._freed_images.kept()
 
 
 def test_a_result_freed_by_a_garbage_collection_inside_the_pool_does_not_deadlock(folder):
@@ -170,7 +171,7 @@ def test_a_result_freed_by_a_garbage_collection_inside_the_pool_does_not_deadloc
     torch.save({"w": torch.ones(1 << 20)}, path)
     out = run_script(f"""
         import gc, sys, torch, fastpersist
-        pool = sys.modules["fastpersist.load"]._freed_images
+        pool = sys.modules["fastpersist.load_memory"]._freed_images
 
         class Cycle:
             pass
@@ -226,7 +227,7 @@ def test_a_freed_result_is_seen_by_the_pool_at_once(folder, keep):
     for attempt in range(300):
         result = fastpersist.load(path)
         del result
-        kept = load_module._freed_images.kept()
+        kept = load_memory._freed_images.kept()
         assert len(kept) == 1, f"attempt {attempt}: the pool held {len(kept)} mappings; {pool_state()}"
         load_module.release_load_memory()
 
