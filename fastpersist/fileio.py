@@ -1,6 +1,8 @@
 """fastpersist's file I/O layer, shared by save, load and what builds on them:
-O_DIRECT descriptors, engines taken from the pool for a file, and reads of
-many extents. (The engine itself, its pool and its binding: _engine.py.)"""
+O_DIRECT descriptors, engines taken from the pool for a file, reads of many
+extents through the engine, and what the page cache holds of a file. (Which
+mode a load reads in, and parallel reads through the page cache:
+read_pipeline. The engine itself, its pool and its binding: _engine.py.)"""
 from __future__ import annotations
 
 import contextlib
@@ -141,73 +143,6 @@ def _read_extents(engine: _engine.Engine, direct_fd: int, fd: int, path: str, ex
             crcs.update(((e[1], e[2]), c) for e, c in zip(batch, sums))
         pending = rest
     return crcs
-
-
-def read_extents_through_page_cache(fd: int, path: str, extents, checksums: bool) -> dict:
-    """read_extents without an engine: preads through the page cache into
-    each (address, offset, nbytes) extent, {(offset, nbytes): crc} with
-    checksums, EOFError where the file ended early. For small files in a
-    process with no engine idle: creating one (locking and registering its
-    buffers) costs more than reading them.
-
-    Extents that follow one another in the file with gaps of at most
-    GATHER_GAP bytes between them (a checkpoint's small tensors, with their
-    records' headers between) are read by one preadv each run, up to
-    GATHER_IOVECS pieces: the gaps land in a scratch buffer, every extent
-    straight in its destination (an optimizer state's 1,452 records took
-    1,452 preads before)."""
-    import ctypes
-
-    crcs = {}
-    pending = sorted({e for e in extents if e[2]}, key=lambda e: (e[1], e[2]))
-    scratch = memoryview(bytearray(GATHER_GAP))
-    start = 0
-    while start < len(pending):
-        stop, end = start + 1, pending[start][1] + pending[start][2]
-        while stop < len(pending) and 2 * (stop - start) < GATHER_IOVECS:
-            offset = pending[stop][1]
-            if offset < end or offset - end > GATHER_GAP:
-                break
-            end = offset + pending[stop][2]
-            stop += 1
-        run = pending[start:stop]
-        views = [memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B")
-                 for address, _, nbytes in run]
-        try:
-            iov, position = [], run[0][1]
-            for (_, offset, nbytes), view in zip(run, views):
-                if offset > position:
-                    iov.append(scratch[:offset - position])
-                iov.append(view)
-                position = offset + nbytes
-            total = position - run[0][1]
-            at = run[0][1]
-            try:
-                got = os.preadv(fd, iov, at) if len(iov) > 1 else 0
-                if got != total:  # one piece, or a short read: piece by piece
-                    for (_, offset, nbytes), view in zip(run, views):
-                        done = 0
-                        while done < nbytes:
-                            at = offset + done
-                            n = os.preadv(fd, [view[done:]], at)
-                            if n == 0:
-                                raise EOFError(path)
-                            done += n
-            except OSError as exc:  # named as the engine's errors are: errno, path, operation, offset
-                raise OSError(exc.errno, f"{os.strerror(exc.errno)} (fastpersist page-cache read at offset {at})",
-                              path) from exc
-            if checksums:
-                for (_, offset, nbytes), view in zip(run, views):
-                    crcs[offset, nbytes] = _engine.crc32(view)
-        finally:
-            for view in views:
-                view.release()
-        start = stop
-    return crcs
-
-
-GATHER_GAP = 64 << 10
-GATHER_IOVECS = 1024  # the kernel's IOV_MAX
 
 
 class _Prefault:

@@ -316,7 +316,7 @@ def _load_through_buffers(image: "_CheckpointImage", map_location, weights_only:
     reader = image.reader(kind=_DeviceTargetReader)
     result = _unpickle(reader, image.fd, restore, weights_only, pickle_module, load_args, pickle_load_args)
     try:
-        with reading_engine(image.path, image.options, image.size, image.fd) as (engine, direct_fd):
+        with read_pipeline.engine_for(image.fd, image.path, image.size, image.options) as (engine, direct_fd):
             crcs = device_io.read_into(engine, direct_fd, image.fd, image.path, pieces, checksums=verify,
                                       transfer=image.options.transfer,
                                       allow_compat=image.options.allow_gds_compat)
@@ -411,11 +411,8 @@ class _CheckpointImage:
     """An open checkpoint file, its index, and (after finish_reading) its bytes in
     page-aligned memory."""
 
-    def __init__(self, path: str, fd: int, size: int, index: Optional[ArchiveIndex], options: Options,
-                 read_cached_through_page_cache: bool = False):
+    def __init__(self, path: str, fd: int, size: int, index: Optional[ArchiveIndex], options: Options):
         self.path, self.fd, self.size, self.index, self.options = path, fd, size, index, options
-        # a file already (nearly) all in the page cache is copied from there, not read from the device again
-        self.read_cached_through_page_cache = read_cached_through_page_cache
         self.memory: Optional[_mmap.mmap] = None
         self.view: Optional[memoryview] = None
         self._reading: Optional[threading.Thread] = None
@@ -1148,7 +1145,7 @@ class _Plan:
         checksums."""
         try:
             if through_buffers:
-                with reading_engine(image.path, image.options, image.size, image.fd) as (engine, direct_fd):
+                with read_pipeline.engine_for(image.fd, image.path, image.size, image.options) as (engine, direct_fd):
                     return device_io.read_into(engine, direct_fd, image.fd, image.path, extents, checksums,
                                               transfer=image.options.transfer,
                                               allow_compat=image.options.allow_gds_compat)

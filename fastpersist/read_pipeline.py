@@ -103,6 +103,19 @@ def read_extents(fd: int, path: str, size: int, options: Options, extents, check
     return _read_both_ways(fd, path, size, options, cached, uncached, checksums, fresh, started)
 
 
+@contextlib.contextmanager
+def engine_for(fd: int, path: str, size: int, options: Options, offset: int = 0, nbytes: Optional[int] = None):
+    """(engine, direct_fd) for reads whose consumer takes the engine's
+    buffers (GPU loads: device_io.read_into): O_DIRECT where bytes [offset,
+    offset + nbytes) are on the device, buffered reads (direct_fd -1) where
+    they are in the page cache already, as through_page_cache judges:
+    an O_DIRECT read would fetch them from the device again."""
+    if through_page_cache(fd, size, options, offset, nbytes):
+        options = options.replace(direct=False)
+    with reading_engine(path, options, size if nbytes is None else nbytes, fd) as pair:
+        yield pair
+
+
 def _engine_read(fd: int, path: str, size: int, options: Options, extents, checksums: bool, fresh: bool,
                  started: Optional[threading.Event]) -> dict:
     with prefaulting(extents, read_threads(options)) if fresh else contextlib.nullcontext():
@@ -349,5 +362,5 @@ def _populate(run: list, state: _Shared) -> None:
             return
 
 
-__all__ = ["CACHED_ENOUGH", "SMALL_FILE_BYTES", "pread_extents", "read_extents", "read_threads",
+__all__ = ["CACHED_ENOUGH", "SMALL_FILE_BYTES", "engine_for", "pread_extents", "read_extents", "read_threads",
            "through_page_cache"]

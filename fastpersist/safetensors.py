@@ -42,7 +42,7 @@ import torch
 
 from .fileio import same_file
 from .options import current_options
-from .torch_format import CheckpointError
+from .errors import CheckpointError
 
 HEADER_LIMIT = 100_000_000  # safetensors' own bound on the JSON header
 
@@ -622,7 +622,7 @@ def save_file(tensors: Dict[str, torch.Tensor], filename, metadata: Optional[Dic
     Raises what safetensors raises for shared, non-contiguous and sparse
     tensors, ValueError for a dtype it cannot store or a bad align."""
     from . import device_io
-    from .save import write_to_path
+    from .atomic_write import write_to_path
 
     _check_for_save(tensors, metadata)
     if align < 8 or align % 8:
@@ -703,9 +703,7 @@ def load_file(filename, device="cpu", *, backend: Optional[str] = None, verify: 
     checksums=True)`` kept; SafetensorsFileError naming the first tensor
     that differs, or where the file keeps none. Other devices (``"mps"``,
     ``"xpu"``, ``"npu"``, ...) are loaded by safetensors' own load_file."""
-    from . import device_io
-    from .fileio import reading_engine
-    from .load import _CheckpointImage
+    from . import device_io, load_memory, read_pipeline
 
     target = _device_of(device)
     if target is None:  # mps, xpu, npu, ...: safetensors' own
@@ -721,12 +719,18 @@ def load_file(filename, device="cpu", *, backend: Optional[str] = None, verify: 
         size = os.fstat(fd).st_size
         header = Header.read(fd, path, size)
         if target.type == "cpu":
-            image = _CheckpointImage(path, fd, size, None, opts, read_cached_through_page_cache=True)
-            fd = -1  # the image closes it
-            with image:
-                image.start_reading()
-                image.finish_reading(resolve=False)
-                buffer = image.as_buffer()
+            # one image of the file (a kept one's memory where there is one), read by the pipeline
+            memory, fresh = load_memory.image_memory(size)
+            try:
+                address = ctypes.addressof(ctypes.c_char.from_buffer(memory))
+                read_pipeline.read_extents(fd, path, size, opts, [(address, 0, size)], False, fresh=fresh)
+            except BaseException as exc:
+                load_memory.give_back(memory)
+                if isinstance(exc, EOFError):
+                    raise SafetensorsFileError(f"{path}: the file ended before its {size} bytes were read (did "
+                                               "it shrink while being read?)") from None
+                raise
+            buffer = load_memory.as_buffer(memory)
             out = {k: _tensor_at(buffer, e, header.data_start) for k, e in header.entries.items()}
             return _verified(out, header, path) if verify else out
         out = {k: torch.empty(e.shape, dtype=e.dtype, device=target) if e.nbytes else _empty(e.shape, e.dtype, target)
@@ -734,7 +738,7 @@ def load_file(filename, device="cpu", *, backend: Optional[str] = None, verify: 
         pieces = [device_io.Piece(header.data_start + e.begin, e.nbytes, device_io.byte_view(out[k].untyped_storage()))
                   for k, e in header.entries.items() if e.nbytes]
         try:
-            with reading_engine(path, opts, size, fd) as (engine, direct_fd):
+            with read_pipeline.engine_for(fd, path, size, opts) as (engine, direct_fd):
                 device_io.read_into(engine, direct_fd, fd, path, pieces, transfer=opts.transfer,
                                     allow_compat=opts.allow_gds_compat)
         except EOFError:
@@ -965,8 +969,7 @@ class safe_open:  # noqa: N801 - safetensors' name
     def _read(self, entry: _Entry, first: int, stop: int) -> torch.Tensor:
         """Rows [first, stop) of entry's first dimension (the whole tensor
         for a 0-d one), read from the file into a new tensor on the device."""
-        from . import device_io
-        from .fileio import reading_engine
+        from . import device_io, read_pipeline
 
         rows = entry.shape[0] if entry.shape else 1
         row_bytes = entry.nbytes // rows if rows else 0
@@ -986,7 +989,8 @@ class safe_open:  # noqa: N801 - safetensors' name
                 return out
             out = torch.empty(shape, dtype=entry.dtype, device=self.device)
             piece = device_io.Piece(offset, nbytes, device_io.byte_view(out.untyped_storage()))
-            with self._descriptor() as fd, reading_engine(self.path, opts, nbytes, fd) as (engine, direct_fd):
+            with self._descriptor() as fd, \
+                    read_pipeline.engine_for(fd, self.path, self._size, opts, offset, nbytes) as (engine, direct_fd):
                 device_io.read_into(engine, direct_fd, fd, self.path, [piece], transfer=opts.transfer,
                                     allow_compat=opts.allow_gds_compat)
             return out
@@ -1312,16 +1316,15 @@ def _new_buffer(nbytes: int):
 
 def _through_page_cache(fd: int, offset: int, nbytes: int, file_size: int = 0, opts=None) -> bool:
     """Whether to read a span of the file through the page cache: a small
-    span, a span of a file under SMALL_LOAD_BYTES (file_size, where given)
-    with no engine idle (making one costs more than reading such a file, as
-    for torch loads), or a span there already (cheaper than an engine's pass)."""
-    from . import _engine
+    span (cheaper than an engine's pass), or as the read pipeline judges
+    (a file under its SMALL_FILE_BYTES, file_size where given, with no
+    engine idle, or a span in the page cache already)."""
+    from . import _engine, read_pipeline
     from .fileio import cached_fraction
-    from .load import SMALL_LOAD_BYTES
 
-    if nbytes < _SMALL_READ or (0 < file_size < SMALL_LOAD_BYTES and not _engine.has_idle(opts, nbytes)):
+    if nbytes < _SMALL_READ or (0 < file_size < read_pipeline.SMALL_FILE_BYTES and not _engine.has_idle(opts, nbytes)):
         return True
-    return (cached_fraction(fd, nbytes, offset) or 0.0) >= 0.9
+    return (cached_fraction(fd, nbytes, offset) or 0.0) >= read_pipeline.CACHED_ENOUGH
 
 
 def _read_span(fd: int, path: str, offset: int, nbytes: int, opts):
@@ -1341,14 +1344,17 @@ def _read_into(fd: int, path: str, extents: list, progress: ctypes.c_uint64, opt
     (of file_size bytes, where given), in new memory, read in one pass,
     progress set as they arrive (each extent's end, once it is in place);
     EOFError where the file ends first."""
-    from .fileio import prefaulting, read_extents_through_page_cache, reading_engine
+    from . import read_pipeline
+    from .fileio import prefaulting, reading_engine
 
     start, end = extents[0][1], extents[-1][1] + extents[-1][2]
     if _through_page_cache(fd, start, end - start, file_size, opts):
-        with prefaulting(extents) if end - start >= _SMALL_READ else contextlib.nullcontext():
-            for extent in extents:
-                read_extents_through_page_cache(fd, path, [extent], False)
-                progress.value = extent[1] + extent[2]
+        # each extent (a chunk of whole tensors) by the pipeline's page-cache readers, in parallel,
+        # populating its fresh pages as they go; its tensors handed out as it lands
+        threads = read_pipeline.read_threads(opts)
+        for extent in extents:
+            read_pipeline.pread_extents(fd, path, [extent], False, threads=threads, populate=True)
+            progress.value = extent[1] + extent[2]
         return
     # the buffers are fresh memory: helper threads fault it in ahead of the engine's copies (a 2.2 GB
     # file on a RAM-backed device: 1.13 s with them, 1.92 s without; medians of 6 fresh processes)
@@ -1429,7 +1435,7 @@ def save_sharded(state_dict: Dict[str, torch.Tensor], folder, *, max_shard_size=
 
     from huggingface_hub import split_torch_state_dict_into_shards
 
-    from .save import write_to_path
+    from .atomic_write import write_to_path
 
     folder = os.fspath(folder)
     metadata = {"format": "pt"} if metadata is None else metadata

@@ -1,4 +1,4 @@
-"""fileio.read_extents_through_page_cache reads runs of nearby extents with
+"""read_pipeline.pread_extents (one thread) reads runs of nearby extents with
 one preadv each, and lands every byte where a pread per extent would."""
 import ctypes
 import os
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fastpersist
-from fastpersist import fileio
+from fastpersist import read_pipeline
 
 
 def _file(tmp_path, nbytes: int):
@@ -22,7 +22,7 @@ def _read(path, wanted, checksums=False):
     extents = [(ctypes.addressof(b), offset, n) for b, (offset, n) in zip(buffers, wanted)]
     fd = os.open(path, os.O_RDONLY)
     try:
-        crcs = fileio.read_extents_through_page_cache(fd, str(path), extents, checksums)
+        crcs = read_pipeline.pread_extents(fd, str(path), extents, checksums)
     finally:
         os.close(fd)
     return [b.raw for b in buffers], crcs
@@ -97,11 +97,11 @@ def test_a_failed_page_cache_read_names_the_file_and_offset(tmp_path, monkeypatc
     def failing(fd, buffers, offset):
         raise OSError(errno.EIO, os.strerror(errno.EIO))
 
-    monkeypatch.setattr(fileio.os, "preadv", failing)
+    monkeypatch.setattr(read_pipeline.os, "preadv", failing)
     fd = os.open(path, os.O_RDONLY)
     try:
         with pytest.raises(OSError) as raised:
-            fileio.read_extents_through_page_cache(fd, str(path), [(address, 8192, 4096)], False)
+            read_pipeline.pread_extents(fd, str(path), [(address, 8192, 4096)], False)
     finally:
         os.close(fd)
     assert raised.value.errno == errno.EIO and raised.value.filename == str(path)

@@ -86,3 +86,11 @@ def test_the_read_pipeline_and_the_atomic_write_know_no_format():
         assert not {m for m in edges[module] if m.startswith(("fastpersist.save", "fastpersist.load",
                                                               "fastpersist.torch_format", "fastpersist.safetensors",
                                                               "fastpersist.dcp", "fastpersist._torch_api"))}, module
+
+
+def test_safetensors_reads_and_writes_through_the_neutral_layers():
+    """safetensors reads through read_pipeline and writes through atomic_write,
+    and imports neither torch loads, torch saves nor the torch format."""
+    edges = graph()["fastpersist.safetensors"]
+    assert {"fastpersist.read_pipeline", "fastpersist.atomic_write"} <= edges
+    assert not edges & {"fastpersist.load", "fastpersist.save", "fastpersist.torch_format", "fastpersist._torch_api"}

@@ -922,7 +922,7 @@ def test_replacing_a_set_leaves_the_old_one_until_the_new_index_is_published(tmp
     second = {k: v + 1 for k, v in first.items()}
     import importlib
 
-    save_module = importlib.import_module("fastpersist.save")
+    save_module = importlib.import_module("fastpersist.atomic_write")  # where safetensors writes through
     real = save_module.write_to_path
 
     def index_fails(path, *args, **kwargs):
