@@ -145,9 +145,11 @@ def test_slices_are_safetensors_slices(tmp_path, index):
 
 
 def test_tensors_handed_out_twice_share_no_memory(tmp_path):
-    """As with safetensors, each get_tensor or slice is memory of its own:
-    writing into one changes no other (the first is a view of the file's
-    read, a repeat or an overlapping slice a copy)."""
+    """Each get_tensor or slice is memory of its own (safetensors' mmap
+    backend hands a name asked twice one memory; fastpersist's chunks are
+    let go of once handed out): writing into one changes no other (the
+    first is a view of the file's read, a repeat or an overlapping slice a
+    copy)."""
     tensors = {"m": torch.arange(40, dtype=torch.float32).reshape(4, 10), "v": torch.ones(8)}
     path = _write(tmp_path / "s.safetensors", st.save(tensors))
     with fst.safe_open(path, framework="pt") as f:
