@@ -261,3 +261,35 @@ def test_safetensors_loads_read_through_the_pipeline(folder, monkeypatch, page_c
     theirs = safetensors_torch.load(path.read_bytes())
     for name, value in theirs.items():
         assert torch.equal(ours[name], value) and torch.equal(opened[name], value), name
+
+
+def test_a_cached_safetensors_file_is_mapped_as_safetensors_maps_it(folder, monkeypatch, page_cache_reads):
+    """load_file to the CPU of a file in the page cache takes safetensors'
+    own mapping (what safetensors users had, and faster than any copy);
+    verify=True still checks it; backend="pread" and a file not cached are
+    read by the pipeline."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    from fastpersist import safetensors as fst
+
+    tensors = {"w": torch.randn(256, 1024), "b": torch.arange(5)}
+    path = folder / "m.safetensors"
+    fst.save_file(tensors, path, checksums=True)
+    own = []
+    real_own = fst._safetensors_own
+    monkeypatch.setattr(fst, "_safetensors_own",
+                        lambda name: (own.append(name), real_own(name))[1])
+    path.read_bytes()  # into the page cache
+    for kwargs in ({}, {"verify": True}, {"backend": "mmap"}):
+        own.clear()
+        out = fst.load_file(path, **kwargs)
+        assert "load_file" in own, kwargs
+        assert all(torch.equal(out[k], v) for k, v in tensors.items())
+    own.clear()
+    fst.load_file(path, backend="pread")
+    assert "load_file" not in own
+    blob = bytearray(path.read_bytes())
+    blob[-1] ^= 0xFF  # the last byte of the last tensor's data
+    path.write_bytes(bytes(blob))
+    with pytest.raises(fst.SafetensorsFileError, match="fails its CRC-32"):
+        fst.load_file(path, verify=True)
+    assert safetensors_torch.load_file(path)["w"].shape == (256, 1024)
