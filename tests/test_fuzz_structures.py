@@ -1588,6 +1588,17 @@ def summary(obj) -> str:
     return f"{type(obj).__name__}:{obj!r}"
 
 
+def key_summary(key):
+    """A dict key as something == compares safely (keys may be tensors, or tuples holding them)."""
+    if isinstance(key, tuple):
+        return (type(key).__name__, tuple(key_summary(k) for k in key))
+    if isinstance(key, torch.Tensor):
+        return summary(key)
+    if isinstance(key, float):
+        return ("float", struct.pack("<d", key))
+    return (type(key).__name__, key)
+
+
 def _tracked(obj) -> bool:
     return isinstance(obj, (torch.Tensor, torch.storage.TypedStorage, torch.UntypedStorage, dict, list, set)) or (
         isinstance(obj, tuple) and len(obj) > 0)
@@ -1646,15 +1657,14 @@ class Comparison:
         elif isinstance(a, complex):
             if not (same_float(a.real, b.real) and same_float(a.imag, b.imag)):
                 raise Diff("complex bits", where)
+        elif isinstance(a, slice):
+            for part in ("start", "stop", "step"):
+                self.same(getattr(a, part), getattr(b, part), f"{where}.{part}")
         elif a != b:
             raise Diff("value", where, f"{a!r:.80} / {b!r:.80}")
 
     def same_key(self, x, y) -> bool:
-        if type(x) is not type(y):
-            return False
-        if isinstance(x, float):
-            return same_float(x, y)
-        return x == y
+        return key_summary(x) == key_summary(y)
 
     def attributes(self, a, b, where: str) -> None:
         va, vb = getattr(a, "__dict__", {}), getattr(b, "__dict__", {})
@@ -1943,6 +1953,8 @@ def mirror(value, refusals: list, on_path=()):
         if value.numel() > 1 << 20:
             raise NotComparable("a huge tensor")
         return fresh_like(value)
+    if isinstance(value, dict) and any(holds_tensors(k) for k in value):
+        raise NotComparable("tensors in dict keys (they hash by identity: no two loads have the same keys)")
     if isinstance(value, dict) or (isinstance(value, list) and value):
         if id(value) in on_path:
             refusals.append("a cycle")
@@ -2079,6 +2091,9 @@ KNOWN_OPEN = {
     "test_load_into_decodes_short_binstrings_as_torch_load_does":
         lambda d: d.cls.startswith("load_into: loads what torch refuses [torch: UnicodeDecodeError")
         or (d.cls == "load_into: non-tensor values differ" and "str / bytes" in d.detail),
+    "test_load_into_takes_a_tensor_as_a_neg_bit_as_torch_load_does":
+        lambda d: d.cls.startswith(("load_into: refuses what torch loads [NotImplementedError",
+                                    "load_into: refuses what torch loads [TypeError: _set_tensor_metadata")),
     "test_load_into_swaps_a_big_endian_file_as_torch_load_does":
         lambda d: d.cls == "load_into: values differ from torch.load + copy_"
         and d.case.meta.get("byteorder") == b"big",
@@ -2319,6 +2334,17 @@ def test_load_into_decodes_short_binstrings_as_torch_load_does(tmp_path):
     target = {"w": torch.zeros(4), "s": None}
     ok, _ = load_into_outcome(path, target)  # loads, target["s"] == b"\xff"
     assert not ok and target["s"] is None
+
+
+@pytest.mark.xfail(strict=True, reason="load_into's layout runs torch's rebuild over meta tensors: what needs "
+                   "data there (bool() of a 0-d tensor given as the neg bit; set_ of a quantized dtype) fails")
+def test_load_into_takes_a_tensor_as_a_neg_bit_as_torch_load_does(tmp_path):
+    path = tmp_path / "bit.pt"
+    tiny(path, [("w", tensor_node(bits=[("neg", tensor_node(size=(), stride=()))]))], {"0": F16})  # neg=tensor(1.)
+    assert original_load()(path, weights_only=True)["w"].tolist() == [-1.0, -2.0, -3.0, -4.0]
+    target = {"w": torch.zeros(4)}
+    fastpersist.load_into(target, path)  # TypeError: _set_tensor_metadata(): incompatible function arguments
+    assert target["w"].tolist() == [-1.0, -2.0, -3.0, -4.0]
 
 
 @pytest.mark.xfail(strict=True, reason="load_into swaps a big-endian storage by the tensor's dtype; torch.load "
