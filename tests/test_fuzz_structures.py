@@ -2090,7 +2090,9 @@ KNOWN_OPEN = {
                                    "calculation"),
     "test_load_into_decodes_short_binstrings_as_torch_load_does":
         lambda d: d.cls.startswith("load_into: loads what torch refuses [torch: UnicodeDecodeError")
-        or (d.cls == "load_into: non-tensor values differ" and "str / bytes" in d.detail),
+        or (d.cls == "load_into: non-tensor values differ" and "str / bytes" in d.detail)
+        or (d.cls.startswith("load_into: refuses what torch loads [RuntimeError: Error(s) in loading state_dict")
+            and "\"b'" in d.detail),  # a SHORT_BINSTRING key: str in torch's result, bytes in load_into's layout
     "test_load_into_takes_a_tensor_as_a_neg_bit_as_torch_load_does":
         lambda d: d.cls.startswith(("load_into: refuses what torch loads [NotImplementedError",
                                     "load_into: refuses what torch loads [TypeError: _set_tensor_metadata")),
