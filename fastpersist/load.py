@@ -767,8 +767,12 @@ def load_into(target, f, *, strict: bool = True, verify: bool = False, weights_o
             containers expand to more keys than the bound allows.
         fastpersist.CheckpointError: the file is not a zip checkpoint of
             ``torch.save`` 1.6 or later, is truncated or corrupt (the
-            target is untouched), or ``verify`` found a mismatch (after the
-            read).
+            target is untouched), ``verify`` found a mismatch (after the
+            read), or (without ``strict``) the names of its missing and
+            unexpected keys would take more than 16 MiB and 16 characters
+            per byte of its pickle (keys repeated down a deep tree), nothing
+            written; with ``strict`` the error lists the names that fit and
+            counts the rest.
         OSError: reading failed (errno, path, engine, operation, offset).
     """
     import torch
@@ -806,15 +810,17 @@ def _fill(image: _CheckpointImage, target, is_module: bool, strict: bool, verify
     guess was wrong."""
     import torch
 
-    if is_module:  # a module's keys are already dotted paths: match them as single keys
-        target_flat = {(k,): v for k, v in target.state_dict(keep_vars=True).items()}
+    if is_module:  # a module's keys are already dotted paths: matched against the checkpoint's joined ones
+        names = target.state_dict(keep_vars=True)
+        target_leaves = list(names.values())
     else:
-        target_flat = _flatten(target, "target")
+        names = None
+        target_leaves = [leaf for _, _, leaf, _ in _leaves(target, "target")]
     with contextlib.ExitStack() as stack:
         early = None
         if read_early and image.view is None and image.size < read_pipeline.SMALL_FILE_BYTES and not STREAM_LOADS \
                 and image.headers_span_most_data() \
-                and all(v.is_cpu for v in target_flat.values() if isinstance(v, torch.Tensor)):
+                and all(v.is_cpu for v in target_leaves if isinstance(v, torch.Tensor)):
             early = _WholeFileRead(image)
         elif read_early:
             early = _DataAhead.begin(image)
@@ -826,15 +832,12 @@ def _fill(image: _CheckpointImage, target, is_module: bool, strict: bool, verify
         # a tree-shaped pickle holds fewer leaves than bytes: more keys than
         # that and the target's come from shared containers nested in each other
         try:
-            stored_flat = _flatten(stored, "state dict" if is_module else "checkpoint",
-                                   len(target_flat) + image.pickle_size())
+            match = _Match(stored, target, names, len(target_leaves), len(target_leaves) + image.pickle_size())
         except ValueError as exc:
             raise CheckpointError(f"{image.path}: {exc}") from None
-        if is_module:
-            stored_flat = {(_key(k),): v for k, v in stored_flat.items()}
         unchecked = early.unchecked
         try:
-            plan = _plan(image, stored_flat, target_flat, strict, is_module, target,
+            plan = _plan(image, match, strict, is_module, target,
                          reader.guessed_records() if unchecked else image.index.by_data_offset())
         except CheckpointError:
             # guessed places that do not hold (small records of a file without torch's padding can
@@ -991,40 +994,280 @@ class _NativeOrderReader(TorchArchiveReader):
         return super().get_record(name)
 
 
-def _key(path: tuple) -> str:
-    return ".".join(map(str, path))
+# Key paths. A leaf's path is a chain of nodes (parent node, key), the top
+# level's parent None: a container's node is shared by everything under it,
+# so the paths of a checkpoint take memory in proportion to its pickle. The
+# dotted name load_state_dict reports ("a.b.0") is made only for a key that
+# is reported, and only within a budget (_KeyNames): a pickle names a long
+# string once and refers to it in a few bytes, so one key joined at every
+# level of a deep tree makes names far longer than the file (a 0.2 MB pickle
+# asked for 1.4 GB of them here), which torch.load never makes.
+
+def _parts(path) -> list:
+    """The keys of a path node, top first."""
+    parts = []
+    while path is not None:
+        path, key = path
+        parts.append(key)
+    parts.reverse()
+    return parts
 
 
-def _flatten(obj, what: str, limit: Optional[int] = None) -> dict:
-    """A state dict -> {key path: leaf}, through nested dicts and non-empty
-    lists (items keyed by their index); tensors and other values are leaves.
+def _key(path) -> str:
+    """A path's dotted name: a module's own name as it is, a node's keys joined."""
+    if isinstance(path, str):
+        return path
+    return ".".join(map(str, _parts(path)))
+
+
+def _key_length(path, limit: int) -> Optional[int]:
+    """len(_key(path)) without making it; None past limit (then sooner)."""
+    if isinstance(path, str):
+        return len(path) if len(path) <= limit else None
+    n, seen = -1, {}
+    while path is not None:
+        path, key = path
+        n += 1 + _str_length(key, seen)
+        if n > limit:
+            return None
+    return n
+
+
+def _str_length(value, seen: dict) -> int:
+    """len(str(value)), without making the string for a tuple (its items may
+    be one long string referred to many times; seen: lengths by id)."""
+    if type(value) is str:
+        return len(value)
+    if type(value) is not tuple:
+        return len(str(value))
+    known = seen.get(id(value))
+    if known is None:
+        items = [len(repr(v)) if type(v) is not tuple else _str_length(v, seen) for v in value]
+        known = seen[id(value)] = 2 + sum(items) + 2 * max(0, len(items) - 1) + (len(items) == 1)
+    return known
+
+
+def _shown(path, limit: int = 1 << 16) -> str:
+    """A path's name for an error message, however long it would be."""
+    if _key_length(path, limit) is not None:
+        return _key(path)
+    return f"(a key {len(_parts(path))} levels deep whose name is longer than {limit:,} characters)"
+
+
+class _KeyNames:
+    """Names for reported keys, at most ``budget`` characters of them all."""
+
+    def __init__(self, budget: int):
+        self.budget = self.left = budget
+
+    def name(self, path) -> Optional[str]:
+        """The path's name, or None where it does not fit what is left (and nothing fits after it)."""
+        n = _key_length(path, self.left)
+        if n is None:
+            self.left = -1
+            return None
+        self.left -= n
+        return _key(path)
+
+
+def _is_branch(value, kinds: Optional[dict] = None) -> bool:
+    """What load_into walks into: a mapping, a non-empty list (other values
+    are leaves). kinds: _kind's answers by type, kept by the caller."""
+    kind = _kind(value, {} if kinds is None else kinds)
+    return kind == 1 or (kind == 2 and bool(value))
+
+
+def _kind(value, kinds: dict) -> int:
+    """1 for a mapping, 2 for a list, else 0; remembered in kinds by type
+    (an ABC's isinstance took most of a walk's time per leaf)."""
+    t = type(value)
+    kind = kinds.get(t)
+    if kind is None:
+        kind = 1 if isinstance(value, Mapping) else 2 if isinstance(value, list) else 0
+        if value.__class__ is t:  # not an object that says it is another class
+            kinds[t] = kind
+    return kind
+
+
+def _leaves(root, what: str, limit: Optional[int] = None, enter=None, place=None):
+    """A state dict's leaves in order, through nested dicts and non-empty
+    lists (items keyed by their index): (parent node, key, leaf, place) for
+    each, parent the node of the container holding it (see _key).
+
+    place follows the walk in another tree: root's is ``place``, a
+    container's enter(its parent's place, its key), or None under a None
+    (enter is not asked).
 
     A container met again under another key (shared, as in {"a": D, "b": D})
     is walked again: each key path gets its leaf. Nested sharing multiplies
     the paths (20 levels of {"a": D, "b": D} hold 2**20); past ``limit``
-    paths load_into refuses the object rather than exhaust memory. Cycles
-    are refused."""
-    if not isinstance(obj, Mapping):
-        raise TypeError(f"the {what} holds a {type(obj).__name__}, not a state dict")
-    flat: dict = {}
-    on_path: set = set()  # ids of the containers being walked: a cycle's
+    leaves load_into refuses the object rather than exhaust memory. Cycles
+    are refused. Walked without recursion: any depth the unpickler built."""
+    if not isinstance(root, Mapping):
+        raise TypeError(f"the {what} holds a {type(root).__name__}, not a state dict")
+    count = 0
+    on_path = {id(root)}  # ids of the containers being walked: a cycle's
+    stack = [(iter(root.items()), None, place, id(root))]
+    kinds: dict = {}
+    while stack:
+        items, node, place, ident = stack[-1]
+        for key, value in items:
+            kind = kinds.get(type(value))
+            if kind is None:
+                kind = _kind(value, kinds)
+            if kind == 1 or (kind == 2 and value):
+                if id(value) in on_path:
+                    raise ValueError(f"the {what} holds itself at {_shown((node, key))}: load_into reads trees")
+                on_path.add(id(value))
+                stack.append((iter(value.items() if kind == 1 else enumerate(value)), (node, key),
+                              None if place is None else enter(place, key), id(value)))
+                break
+            count += 1
+            if limit is not None and count > limit:
+                raise ValueError(f"the {what}'s shared containers expand to more than {limit} keys: "
+                                 "load_into reads state dicts (fastpersist.load reads any object)")
+            yield node, key, value, place
+        else:
+            stack.pop()
+            on_path.discard(ident)
 
-    def walk(container, prefix: tuple) -> None:
-        on_path.add(id(container))
-        for k, v in (container.items() if isinstance(container, Mapping) else enumerate(container)):
-            if isinstance(v, Mapping) or (isinstance(v, list) and v):
-                if id(v) in on_path:
-                    raise ValueError(f"the {what} holds itself at {_key(prefix + (k,))}: load_into reads trees")
-                walk(v, prefix + (k,))
+
+_ABSENT = object()
+_NAME = object()  # in a trie of a module's names: the name ending at that node
+
+
+class _Match:
+    """Where a checkpoint's leaves go in a target: the checkpoint's tree is
+    walked once, with the place in the target that its path has reached so
+    far (a container of a dict target; for a module, a node of a trie of
+    its names split at their dots, since a checkpoint's key path matches a
+    module's name where its keys joined by dots spell it), so no key path
+    is joined or copied to be matched.
+
+    pairs: (path, stored leaf, target container, target key, target leaf)
+    in the checkpoint's order; path a node, or for a module its name
+    (container and key None). unexpected: the checkpoint's unmatched paths
+    (nodes), in its order; missing: the target's (nodes or names), in its."""
+
+    def __init__(self, stored, target, names: Optional[dict], target_leaves: int, limit: int):
+        self.pairs: list = []
+        self.unexpected: list = []
+        self._indexes: dict = {}  # id(container) -> {key: its own key}, for containers other than dicts
+        self._kinds: dict = {}  # _kind's answers for the other tree's values
+        if names is None:
+            self._match_tree(stored, target, target_leaves, limit)
+        else:
+            self._match_names(stored, names, limit)
+
+    def _entry(self, container, key):
+        """(the container's own key equal to key, its value), or None."""
+        if type(container) is dict:
+            value = container.get(key, _ABSENT)
+            return None if value is _ABSENT else (key, value)
+        index = self._indexes.get(id(container))
+        if index is None:
+            keys = container.keys() if isinstance(container, Mapping) else range(len(container))
+            index = self._indexes[id(container)] = {k: k for k in keys}
+        own = index.get(key, _ABSENT)
+        return None if own is _ABSENT else (own, container[own])
+
+    def _enter(self, container, key):
+        """The container under key, or None (no such key, or a leaf there)."""
+        entry = self._entry(container, key)
+        return entry[1] if entry is not None and _is_branch(entry[1], self._kinds) else None
+
+    def _match_tree(self, stored, target, target_leaves: int, limit: int) -> None:
+        pairs, unexpected, kinds = self.pairs, self.unexpected, self._kinds
+        for node, key, value, place in _leaves(stored, "checkpoint", limit, self._enter, target):
+            if type(place) is dict:  # _entry's first case, inline: most leaves of most state dicts
+                dst, own = place.get(key, _ABSENT), key
+            elif place is None:
+                dst = _ABSENT
             else:
-                flat[prefix + (k,)] = v
-                if limit is not None and len(flat) > limit:
-                    raise ValueError(f"the {what}'s shared containers expand to more than {limit} keys: "
-                                     "load_into reads state dicts (fastpersist.load reads any object)")
-        on_path.discard(id(container))
+                entry = self._entry(place, key)
+                own, dst = (None, _ABSENT) if entry is None else entry
+            kind = kinds.get(type(dst))
+            if kind is None:
+                kind = _kind(dst, kinds)
+            if dst is _ABSENT or kind == 1 or (kind == 2 and dst):
+                unexpected.append((node, key))
+            else:
+                pairs.append(((node, key), value, place, own, dst))
+        # every target leaf matched once (distinct paths match distinct paths): none missing
+        self._missing_of = None if len(pairs) == target_leaves else (stored, target)
 
-    walk(obj, ())
-    return flat
+    def _match_names(self, stored, names: dict, limit: int) -> None:
+        self._names = names
+        self._trie = None
+        self._longest = None
+        found: dict = {}  # name -> its pair's index in pairs (a name spelled twice: the last leaf, the first place)
+        for node, key, value, place in _leaves(stored, "state dict", limit, self._descend, self):
+            name = self._name_at(place, key)
+            if name is None:
+                self.unexpected.append((node, key))
+                continue
+            pair = (name, value, None, None, names[name])
+            at = found.get(name)
+            if at is None:
+                found[name] = len(self.pairs)
+                self.pairs.append(pair)
+            else:
+                self.pairs[at] = pair
+        self._missing_of = None if len(found) == len(names) else found
+
+    # places in a module's names: self (the top level, where a leaf's key is its name), or a trie node
+
+    def _descend(self, place, key):
+        if place is self:
+            if self._trie is None:
+                self._trie = {}
+                for name in self._names:
+                    node = self._trie
+                    for part in name.split("."):
+                        node = node.setdefault(part, {})
+                    node[_NAME] = name
+            place = self._trie
+        text = self._text(key)
+        if text is None:
+            return None
+        start = 0
+        while True:  # part by part, stopping at the first no name has: never more of the key than names hold
+            dot = text.find(".", start)
+            place = place.get(text[start:] if dot < 0 else text[start:dot])
+            if place is None or dot < 0:
+                return place
+            start = dot + 1
+
+    def _name_at(self, place, key) -> Optional[str]:
+        if place is None:
+            return None
+        if place is self:
+            text = self._text(key)
+            return text if text is not None and text in self._names else None
+        place = self._descend(place, key)
+        return None if place is None else place.get(_NAME)
+
+    def _text(self, key) -> Optional[str]:
+        """str(key), or None where it is longer than every name (so never made)."""
+        if type(key) is str:
+            return key
+        if self._longest is None:
+            self._longest = max(map(len, self._names), default=0)
+        return str(key) if _str_length(key, {}) <= self._longest else None
+
+    def missing(self) -> list:
+        """The target's unmatched paths (nodes, or a module's names), in its order."""
+        if self._missing_of is None:
+            return []
+        if isinstance(self._missing_of, dict):
+            return [name for name in self._names if name not in self._missing_of]
+        stored, target = self._missing_of
+        missing = []
+        for node, key, _, place in _leaves(target, "target", None, self._enter, stored):
+            entry = None if place is None else self._entry(place, key)
+            if entry is None or _is_branch(entry[1], self._kinds):
+                missing.append((node, key))
+        return missing
 
 
 def _holds_tensors(value, known: Optional[dict] = None) -> bool:
@@ -1052,7 +1295,7 @@ class _Plan:
         self.swap = swap   # the file's byte order is not this machine's: stage and swap everything
         self.direct = []   # (file offset, nbytes, destination tensor)
         self.staged = []   # (file offset of the storage, storage nbytes, StoredTensor, destination tensor)
-        self.values = []   # (key path, value) for non-tensor leaves of a dict target
+        self.values = []   # (target container, key, value) for non-tensor leaves of a dict target
         self.missing: list = []
         self.unexpected: list = []
 
@@ -1122,11 +1365,8 @@ class _Plan:
                 dst.copy_(view)
             for _, _, dst in self.direct:
                 torch.autograd.graph.increment_version(dst)  # like an in-place copy_
-        for path, value in self.values:
-            container = self.target
-            for k in path[:-1]:
-                container = container[k]
-            container[path[-1]] = value
+        for container, key, value in self.values:
+            container[key] = value
         if verify:
             image.verify_records(checksums, ", and the tensors read from it hold its corrupt bytes")
         return True
@@ -1170,7 +1410,14 @@ def _file_byte_order(image: _CheckpointImage) -> str:
     return reader.get_record("byteorder").decode("ascii", "replace")
 
 
-def _plan(image: _CheckpointImage, stored: dict, target: dict, strict: bool, is_module: bool,
+# The names load_into reports (missing and unexpected keys, the keys of errors) take at most this
+# many characters, and this many more per byte of the pickle: a state dict's names take about as
+# many as its pickle, or a few times that (a key spelled once names it at every level below).
+KEY_NAME_CHARS = 16 << 20
+KEY_NAME_CHARS_PER_PICKLE_BYTE = 16
+
+
+def _plan(image: _CheckpointImage, match: _Match, strict: bool, is_module: bool,
           target_obj, records_at: dict) -> _Plan:
     """Matches stored leaves to target leaves; raises on any mismatch before
     anything is written. records_at: {data offset: record} of the records
@@ -1178,14 +1425,10 @@ def _plan(image: _CheckpointImage, stored: dict, target: dict, strict: bool, is_
     import torch
 
     plan = _Plan(target_obj, swap=_file_byte_order(image) != sys.byteorder)
-    plan.missing = [_key(k) for k in target if k not in stored]
-    plan.unexpected = [_key(k) for k in stored if k not in target]
-    errors = []
+    missing = match.missing()
+    errors = []  # (text before the key, key path, text after it)
     looked_at: dict = {}  # _holds_tensors' answers by container id
-    for path, value in stored.items():
-        if path not in target:
-            continue
-        dst = target[path]
+    for path, value, container, own_key, dst in match.pairs:
         layout = torch.strided
         if isinstance(value, torch.Tensor):  # a meta tensor of torch's own layout
             layout = value.layout
@@ -1194,33 +1437,32 @@ def _plan(image: _CheckpointImage, stored: dict, target: dict, strict: bool, is_
         if not isinstance(value, (StoredTensor, torch.Tensor)):
             if isinstance(dst, torch.Tensor):
                 stored_type = "TypedStorage" if type(value) is StoredStorage else type(value).__name__
-                errors.append(f'"{_key(path)}" is a tensor in the target but a {stored_type} in the checkpoint.')
+                errors.append(('"', path, f'" is a tensor in the target but a {stored_type} in the checkpoint.'))
             elif isinstance(value, (StoredStorage, torch.storage.TypedStorage, torch.UntypedStorage)):
                 # the layout's storages hold no data: storing one would lose it
-                errors.append(f'"{_key(path)}" is a storage; load_into restores tensors (use fastpersist.load).')
+                errors.append(('"', path, '" is a storage; load_into restores tensors (use fastpersist.load).'))
             elif is_module:
-                errors.append(f'"{_key(path)}" holds a {type(value).__name__}, not a tensor; load_into restores '
-                              "tensors (use load_state_dict for modules with extra state).")
+                errors.append(('"', path, f'" holds a {type(value).__name__}, not a tensor; load_into restores '
+                              "tensors (use load_state_dict for modules with extra state)."))
             elif _holds_tensors(value, looked_at):
                 # the layout pass sees its tensors as meta tensors: storing it would lose their data
-                errors.append(f'"{_key(path)}" is a {type(value).__name__} holding tensors; load_into restores tensors '
-                              "in dicts and lists (use fastpersist.load for other containers).")
+                errors.append(('"', path, f'" is a {type(value).__name__} holding tensors; load_into restores tensors '
+                              "in dicts and lists (use fastpersist.load for other containers)."))
             else:
-                plan.values.append((path, value))
+                plan.values.append((container, own_key, value))
             continue
         if not isinstance(dst, torch.Tensor):
-            errors.append(f'"{_key(path)}" is a tensor in the checkpoint but a {type(dst).__name__} in the target.')
+            errors.append(('"', path, f'" is a tensor in the checkpoint but a {type(dst).__name__} in the target.'))
             continue
         if value.shape != dst.shape:
-            errors.append(f"size mismatch for {_key(path)}: copying a param with shape {torch.Size(value.shape)} from "
-                          f"checkpoint, the shape in current model is {dst.shape}.")
+            errors.append(("size mismatch for ", path, f": copying a param with shape {torch.Size(value.shape)} from "
+                          f"checkpoint, the shape in current model is {dst.shape}."))
             continue
         if value.dtype != dst.dtype:
-            errors.append(f"dtype mismatch for {_key(path)}: the checkpoint holds {value.dtype}, "
-                          f"the target {dst.dtype}.")
+            errors.append(("dtype mismatch for ", path, f": the checkpoint holds {value.dtype}, the target {dst.dtype}."))
             continue
         if type(value) is not StoredTensor or dst.layout != torch.strided or dst.is_quantized:
-            errors.append(f"{_key(path)}: load_into restores dense tensors; this one is {layout}.")
+            errors.append(("", path, f": load_into restores dense tensors; this one is {layout}."))
             continue
         numel = value.numel()
         if numel == 0:
@@ -1228,13 +1470,13 @@ def _plan(image: _CheckpointImage, stored: dict, target: dict, strict: bool, is_
         offset, storage_nbytes = value.storage_offset_in_file, value.storage_nbytes
         record = records_at.get(offset)
         if record is None:
-            raise CheckpointError(f"{image.path}: the tensor '{_key(path)}' points at offset {offset}, "
+            raise CheckpointError(f"{image.path}: the tensor '{_shown(path)}' points at offset {offset}, "
                                   "where no record starts")
         item = value.element_size
         needed = value.view_end()
         if storage_nbytes != record.size or needed > storage_nbytes or value.storage_offset < 0:
             # torch.load checks the first too; the second guards the pickle's view of the storage
-            raise CheckpointError(f"{image.path}: the tensor '{_key(path)}' needs {max(needed, storage_nbytes)} bytes "
+            raise CheckpointError(f"{image.path}: the tensor '{_shown(path)}' needs {max(needed, storage_nbytes)} bytes "
                                   f"of record '{record.name}', which holds {record.size}; the file is corrupt")
         if (value.is_contiguous() and dst.is_contiguous() and (dst.is_cpu or dst.is_cuda) and not plan.swap
                 and not value.metadata):  # bytes read through neg/conj bits: staged
@@ -1242,15 +1484,50 @@ def _plan(image: _CheckpointImage, stored: dict, target: dict, strict: bool, is_
             plan.direct.append((start, numel * item, dst))
         else:
             plan.staged.append((offset, storage_nbytes, value, dst))
-    if strict and (plan.missing or plan.unexpected):
-        if plan.unexpected:
-            errors.insert(0, "Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in plan.unexpected) + ".")
-        if plan.missing:
-            errors.insert(0, "Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in plan.missing) + ".")
-    if errors:
-        what = type(target_obj).__name__
-        raise RuntimeError(f"Error(s) in loading state_dict for {what} from {image.path}:\n\t" + "\n\t".join(errors))
+    names = _KeyNames(KEY_NAME_CHARS + KEY_NAME_CHARS_PER_PICKLE_BYTE * image.pickle_size())
+    if errors or (strict and (missing or match.unexpected)):
+        lines = []
+        if strict:
+            for what, paths in (("Missing", missing), ("Unexpected", match.unexpected)):
+                if paths:
+                    listed = _names_within(paths, names)
+                    rest = "" if len(listed) == len(paths) else (
+                        f"{', ' if listed else ''}and {len(paths) - len(listed):,} more, whose names would take more "
+                        f"than the {names.budget:,} characters load_into reports for this file")
+                    # one copy of the names (a list of quoted names, then their join, took two)
+                    lines.append("".join([f"{what} key(s) in state_dict: ", '"' if listed else "", '", "'.join(listed),
+                                          '"' if listed else "", rest, "."]))
+                    del listed
+        for done, (before, path, after) in enumerate(errors):
+            name = names.name(path)
+            if name is None:
+                lines.append(f"and {len(errors) - done:,} more error(s), whose keys' names would take more than the "
+                             f"{names.budget:,} characters load_into reports for this file.")
+                break
+            lines.append(before + name + after)
+        lines.insert(0, f"Error(s) in loading state_dict for {type(target_obj).__name__} from {image.path}:")
+        raise RuntimeError("\n\t".join(lines))
+    plan.missing = _names_within(missing, names)
+    plan.unexpected = _names_within(match.unexpected, names)
+    if len(plan.missing) < len(missing) or len(plan.unexpected) < len(match.unexpected):
+        raise CheckpointError(f"{image.path}: the names of its {len(missing):,} missing and "
+                              f"{len(match.unexpected):,} unexpected keys take more than the {names.budget:,} "
+                              "characters load_into reports for a pickle of its size (its keys join into names far "
+                              "longer than the file): load it with fastpersist.load")
     return plan
+
+
+def _names_within(paths: list, names: "_KeyNames") -> list:
+    """The names of paths, up to the first that does not fit what names has left."""
+    shown = []
+    for path in paths:
+        name = names.name(path)
+        if name is None:
+            break
+        shown.append(name)
+    return shown
+
+
 
 
 __all__ = ["IncompatibleKeys", "load", "load_into", "release_load_memory"]
