@@ -137,8 +137,10 @@ def _split_by_residency(fd: int, size: int, extents) -> tuple:
     if not pages or (pages - raw.count(0)) / pages >= CACHED_ENOUGH:
         return list(extents), []
     per_span = MIXED_SPAN // mmap.PAGESIZE
-    spans = [(per_span - raw.count(0, i, i + per_span)) / min(per_span, pages - i) >= CACHED_ENOUGH
-             for i in range(0, pages, per_span)]
+    spans = []
+    for i in range(0, pages, per_span):
+        n = min(per_span, pages - i)  # the last span may be short
+        spans.append((n - raw.count(0, i, i + n)) / n >= CACHED_ENOUGH)
     if not any(spans):
         return [], list(extents)
     cached, uncached = [], []
