@@ -828,7 +828,7 @@ def _fill(image: _CheckpointImage, target, is_module: bool, strict: bool, verify
             early = _HeadersFetched(image)
         stack.callback(early.close)
         reader = _NativeOrderReader(image.index, image.read_at, source=image.path)
-        stored = _layout(image, reader, weights_only, early)
+        stored, mapped = _layout(image, reader, weights_only, early)
         # a tree-shaped pickle holds fewer leaves than bytes: more keys than
         # that and the target's come from shared containers nested in each other
         try:
@@ -838,7 +838,7 @@ def _fill(image: _CheckpointImage, target, is_module: bool, strict: bool, verify
         unchecked = early.unchecked
         try:
             plan = _plan(image, match, strict, is_module, target,
-                         reader.guessed_records() if unchecked else image.index.by_data_offset())
+                         reader.guessed_records() if unchecked else image.index.by_data_offset(), mapped)
         except CheckpointError:
             # guessed places that do not hold (small records of a file without torch's padding can
             # round up to one place) make a sound file look corrupt: the local headers decide
@@ -954,13 +954,14 @@ class _DataAhead:
 
 
 def _layout(image: _CheckpointImage, reader: TorchArchiveReader, weights_only: bool, early):
-    """The checkpoint's objects, tensors as StoredTensors or meta tensors:
-    shapes and file places only, no tensor data read. A plain state dict is
+    """The checkpoint's objects and the mapping they were loaded over (None
+    for a plain layout): tensors as StoredTensors (shapes and file places
+    only, no tensor data read) or as CPU tensors. A plain state dict is
     unpickled while ``early`` reads (the local headers, the whole file or
     the data: see _HeadersFetched and the classes beside it), with each
     record's data place guessed (see layout_offset_for_key), and kept where
     early says the guesses hold. Anything else stops early, then waits for
-    the headers and goes through torch's unpickler."""
+    the headers and is loaded by torch's own unpickling (_loaded_layout)."""
     if _plain_state_may_apply(reader.records_checked, weights_only, None if weights_only else pickle, {}):
         try:
             stored = _torch_api.unpickle_plain_state(reader, reader.layout_offset_for_key, "meta", layout=True)
@@ -968,25 +969,58 @@ def _layout(image: _CheckpointImage, reader: TorchArchiveReader, weights_only: b
             pass
         else:
             if early.guesses_hold(reader):
-                return stored
+                return stored, None
     early.stop()
     image.index.resolve(image.read_at)  # lenient: a record torch would refuse raises where it is used
+    return _loaded_layout(image, weights_only)
 
-    def check(key, nbytes: int) -> None:  # every storage, restored or not: torch.load reads them all
-        reader._check_size(image.index.entry(f"data/{key}"), nbytes)
 
-    def unpickling(module):
-        return _torch_api.storages_as_loaded(module, check)
+def _loaded_layout(image: _CheckpointImage, weights_only: bool):
+    """torch.load(map_location="cpu")'s own result, its storages slices of a
+    private (copy-on-write) mapping of the file: what torch decides is
+    decided by torch's code on real CPU storages, as torch.load decides it
+    (a view past its record or a negative stride refused by set_, a tensor
+    whose data the pickle reads, as a neg bit, read; a big-endian file
+    swapped by each storage's dtype), and nothing is read but what the
+    unpickling touches. A meta-device load instead went through code
+    torch.load never runs (_get_offset's assertion that the first key is
+    "0"), grew meta storages where set_ refuses real ones, and failed where
+    data was needed. Returns (objects, the mapping's storage): _plan reads a
+    tensor lying in the mapping from the file by its place there; one that
+    does not (a copy), or whose bytes torch swapped, is copied from."""
+    import torch
 
+    mapping = _mmap.mmap(image.fd, image.size, flags=_mmap.MAP_PRIVATE, prot=_mmap.PROT_READ | _mmap.PROT_WRITE)
+    mapped = torch.frombuffer(mapping, dtype=torch.uint8).untyped_storage()
+    reader = image.reader(mapped, image.read_file_into)
     if weights_only:
-        return _torch_api.unpickle_weights_only(reader, "meta", unpickling=unpickling)
-    return _torch_api.unpickle_from(reader, "meta", unpickling(pickle))
+        return _torch_api.unpickle_weights_only(reader, "cpu"), mapped
+    return _torch_api.unpickle_from(reader, "cpu", pickle), mapped
+
+
+def _placed(tensor, mapped, swap: bool):
+    """A CPU tensor of _loaded_layout as a StoredTensor at its storage's
+    place in the file, or the tensor itself where its bytes are not the
+    file's (a copy, or swapped by torch)."""
+    if swap or mapped is None or tensor.device.type != "cpu":
+        return tensor
+    storage = tensor.untyped_storage()
+    start = storage.data_ptr() - mapped.data_ptr()
+    if not storage.nbytes() or not 0 <= start <= mapped.nbytes() - storage.nbytes():
+        return tensor
+    stored = StoredTensor.__new__(StoredTensor)
+    stored.dtype, stored.shape, stored.stride = tensor.dtype, tuple(tensor.shape), tuple(tensor.stride())
+    stored.storage_offset, stored.metadata = tensor.storage_offset(), _torch_api.tensor_metadata(tensor)
+    stored.element_size = tensor.element_size()
+    stored.storage_offset_in_file, stored.storage_nbytes = start, storage.nbytes()
+    return stored
 
 
 class _NativeOrderReader(TorchArchiveReader):
-    """Reports the file as native byte order to the layout-only (meta) load:
-    torch 2.13 crashes (SIGSEGV) byteswapping a meta storage. The plan swaps
-    the real bytes after reading them."""
+    """Reports the file as native byte order to the plain layout, which
+    refuses other orders: its tensors are built by _rebuild_tensor_v2 alone,
+    each of its storage's dtype, which is what torch swaps by, so the plan
+    swaps the real bytes after reading them, as torch.load would."""
 
     def get_record(self, name: str) -> bytes:
         if name == "byteorder":
@@ -1296,6 +1330,7 @@ class _Plan:
         self.direct = []   # (file offset, nbytes, destination tensor)
         self.staged = []   # (file offset of the storage, storage nbytes, StoredTensor, destination tensor)
         self.values = []   # (target container, key, value) for non-tensor leaves of a dict target
+        self.loaded = []   # (CPU tensor loaded by torch, destination tensor): copied
         self.missing: list = []
         self.unexpected: list = []
 
@@ -1365,6 +1400,8 @@ class _Plan:
                 dst.copy_(view)
             for _, _, dst in self.direct:
                 torch.autograd.graph.increment_version(dst)  # like an in-place copy_
+            for value, dst in self.loaded:
+                dst.copy_(value)
         for container, key, value in self.values:
             container[key] = value
         if verify:
@@ -1418,10 +1455,11 @@ KEY_NAME_CHARS_PER_PICKLE_BYTE = 16
 
 
 def _plan(image: _CheckpointImage, match: _Match, strict: bool, is_module: bool,
-          target_obj, records_at: dict) -> _Plan:
+          target_obj, records_at: dict, mapped=None) -> _Plan:
     """Matches stored leaves to target leaves; raises on any mismatch before
     anything is written. records_at: {data offset: record} of the records
-    the layout located (or guessed where)."""
+    the layout located (or guessed where); mapped: the mapping of the file
+    _loaded_layout's tensors lie in (see _placed)."""
     import torch
 
     plan = _Plan(target_obj, swap=_file_byte_order(image) != sys.byteorder)
@@ -1430,10 +1468,10 @@ def _plan(image: _CheckpointImage, match: _Match, strict: bool, is_module: bool,
     looked_at: dict = {}  # _holds_tensors' answers by container id
     for path, value, container, own_key, dst in match.pairs:
         layout = torch.strided
-        if isinstance(value, torch.Tensor):  # a meta tensor of torch's own layout
+        if isinstance(value, torch.Tensor):  # a tensor of torch's own layout (_loaded_layout)
             layout = value.layout
             if layout == torch.strided and not value.is_quantized:
-                value = StoredTensor.of(value)
+                value = StoredTensor.of(value) if value.is_meta else _placed(value, mapped, plan.swap)
         if not isinstance(value, (StoredTensor, torch.Tensor)):
             if isinstance(dst, torch.Tensor):
                 stored_type = "TypedStorage" if type(value) is StoredStorage else type(value).__name__
@@ -1462,6 +1500,11 @@ def _plan(image: _CheckpointImage, match: _Match, strict: bool, is_module: bool,
             errors.append(("dtype mismatch for ", path, f": the checkpoint holds {value.dtype}, the target {dst.dtype}."))
             continue
         if type(value) is not StoredTensor or dst.layout != torch.strided or dst.is_quantized:
+            if isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_quantized \
+                    and not value.is_meta \
+                    and dst.layout == torch.strided and not dst.is_quantized:
+                plan.loaded.append((value, dst))  # loaded by torch, bytes not the file's: copied from
+                continue
             errors.append(("", path, f": load_into restores dense tensors; this one is {layout}."))
             continue
         numel = value.numel()

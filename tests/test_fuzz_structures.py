@@ -2081,24 +2081,13 @@ def run_seed(seed: int, path) -> list:
 # its xfail and its entry here go)
 
 KNOWN_OPEN = {
-    "test_load_into_reads_a_file_whose_first_storage_key_is_not_0":
-        lambda d: d.cls.startswith("load_into: refuses what torch loads [AssertionError: expected key"),
     "test_load_into_refuses_a_view_past_its_record_that_it_does_not_restore":
         lambda d: d.cls.startswith("load_into: loads what torch refuses [torch: RuntimeError: Trying to resize"),
-    "test_load_into_refuses_negative_strides":
-        lambda d: d.cls.startswith("load_into: loads what torch refuses [torch: RuntimeError: Storage size "
-                                   "calculation"),
     "test_load_into_decodes_short_binstrings_as_torch_load_does":
         lambda d: d.cls.startswith("load_into: loads what torch refuses [torch: UnicodeDecodeError")
         or (d.cls == "load_into: non-tensor values differ" and "str / bytes" in d.detail)
         or (d.cls.startswith("load_into: refuses what torch loads [RuntimeError: Error(s) in loading state_dict")
             and "\"b'" in d.detail),  # a SHORT_BINSTRING key: str in torch's result, bytes in load_into's layout
-    "test_load_into_takes_a_tensor_as_a_neg_bit_as_torch_load_does":
-        lambda d: d.cls.startswith(("load_into: refuses what torch loads [NotImplementedError",
-                                    "load_into: refuses what torch loads [TypeError: _set_tensor_metadata")),
-    "test_load_into_swaps_a_big_endian_file_as_torch_load_does":
-        lambda d: d.cls == "load_into: values differ from torch.load + copy_"
-        and d.case.meta.get("byteorder") == b"big",
 }
 
 
@@ -2284,8 +2273,6 @@ def test_an_ordered_dict_keeps_the_state_built_after_a___setstate___attribute(tm
 
 # open: xfail until fixed
 
-@pytest.mark.xfail(strict=True, reason="load_into's layout goes through torch's meta-device _load, whose "
-                   "_get_offset asserts that the first storage read has key '0' (torch.load itself never asks)")
 def test_load_into_reads_a_file_whose_first_storage_key_is_not_0(tmp_path):
     path = tmp_path / "key1.pt"
     tiny(path, [("w", tensor_node("1", bits=[("neg", True)]))], {"1": F16})  # the neg bit: torch's unpickler
@@ -2309,8 +2296,6 @@ def test_load_into_refuses_a_view_past_its_record_that_it_does_not_restore(tmp_p
     assert not target["w"].any()
 
 
-@pytest.mark.xfail(strict=True, reason="load_into takes a negative stride and reads the view as if it were "
-                   "contiguous; torch refuses it (\"Storage size calculation overflowed\")")
 def test_load_into_refuses_negative_strides(tmp_path):
     path = tmp_path / "negative.pt"
     tiny(path, [("w", tensor_node(size=(2,), stride=(-1,), offset=1))], {"0": F16})
@@ -2338,8 +2323,6 @@ def test_load_into_decodes_short_binstrings_as_torch_load_does(tmp_path):
     assert not ok and target["s"] is None
 
 
-@pytest.mark.xfail(strict=True, reason="load_into's layout runs torch's rebuild over meta tensors: what needs "
-                   "data there (bool() of a 0-d tensor given as the neg bit; set_ of a quantized dtype) fails")
 def test_load_into_takes_a_tensor_as_a_neg_bit_as_torch_load_does(tmp_path):
     path = tmp_path / "bit.pt"
     tiny(path, [("w", tensor_node(bits=[("neg", tensor_node(size=(), stride=()))]))], {"0": F16})  # neg=tensor(1.)
@@ -2349,8 +2332,6 @@ def test_load_into_takes_a_tensor_as_a_neg_bit_as_torch_load_does(tmp_path):
     assert target["w"].tolist() == [-1.0, -2.0, -3.0, -4.0]
 
 
-@pytest.mark.xfail(strict=True, reason="load_into swaps a big-endian storage by the tensor's dtype; torch.load "
-                   "swaps it by its storage's (uint8 for the UntypedStorage of _rebuild_tensor_v3: not at all)")
 def test_load_into_swaps_a_big_endian_file_as_torch_load_does(tmp_path):
     path = tmp_path / "big.pt"
     tiny(path, [("w", tensor_node(numel=8, size=(2,), v3="uint32"))], {"0": bytes(range(8))}, byteorder=b"big")
