@@ -993,9 +993,9 @@ def _loaded_layout(image: _CheckpointImage, weights_only: bool):
     mapping = _mmap.mmap(image.fd, image.size, flags=_mmap.MAP_PRIVATE, prot=_mmap.PROT_READ | _mmap.PROT_WRITE)
     mapped = torch.frombuffer(mapping, dtype=torch.uint8).untyped_storage()
     reader = image.reader(mapped, image.read_file_into)
-    if weights_only:
-        return _torch_api.unpickle_weights_only(reader, "cpu"), mapped
-    return _torch_api.unpickle_from(reader, "cpu", pickle), mapped
+    if weights_only:  # torch.load's encoding: SHORT_BINSTRING and BINSTRING decoded as UTF-8, strictly
+        return _torch_api.unpickle_weights_only(reader, "cpu", encoding="utf-8"), mapped
+    return _torch_api.unpickle_from(reader, "cpu", pickle, encoding="utf-8"), mapped
 
 
 def _placed(tensor, mapped, swap: bool):

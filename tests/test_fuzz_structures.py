@@ -2083,11 +2083,6 @@ def run_seed(seed: int, path) -> list:
 KNOWN_OPEN = {
     "test_load_into_refuses_a_view_past_its_record_that_it_does_not_restore":
         lambda d: d.cls.startswith("load_into: loads what torch refuses [torch: RuntimeError: Trying to resize"),
-    "test_load_into_decodes_short_binstrings_as_torch_load_does":
-        lambda d: d.cls.startswith("load_into: loads what torch refuses [torch: UnicodeDecodeError")
-        or (d.cls == "load_into: non-tensor values differ" and "str / bytes" in d.detail)
-        or (d.cls.startswith("load_into: refuses what torch loads [RuntimeError: Error(s) in loading state_dict")
-            and "\"b'" in d.detail),  # a SHORT_BINSTRING key: str in torch's result, bytes in load_into's layout
 }
 
 
@@ -2306,8 +2301,6 @@ def test_load_into_refuses_negative_strides(tmp_path):
     assert not ok and not target["w"].any()
 
 
-@pytest.mark.xfail(strict=True, reason="load_into's layout leaves a SHORT_BINSTRING that is empty or not UTF-8 "
-                   "as bytes: torch.load (encoding='utf-8') gives '' or raises UnicodeDecodeError")
 def test_load_into_decodes_short_binstrings_as_torch_load_does(tmp_path):
     path = tmp_path / "binstring.pt"
     tiny(path, [("w", tensor_node()), ("e", ShortBytes(b""))], {"0": F16})
