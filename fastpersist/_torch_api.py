@@ -485,6 +485,17 @@ def _stored_tensor(storage, storage_offset, size, stride, requires_grad, backwar
         raise NotPlainState("tensor arguments")
     if metadata and (set(metadata) - {"conj", "neg"} or any(type(v) is not bool for v in metadata.values())):
         raise NotPlainState("tensor metadata")
+    # within its storage, as set_ checks every tensor of the pickle, restored or not (a view past its
+    # record, then replaced by a duplicate key, makes torch refuse the file): the bytes to the end of the
+    # view, none where a dimension is empty (torch's computeStorageNbytes)
+    end = storage_offset + 1
+    for n, step in zip(size, stride):
+        if not n:
+            end = 0
+            break
+        end += (n - 1) * step
+    if end * storage.element_size > storage.nbytes:
+        raise NotPlainState("a view past its storage")
     stored = StoredTensor.__new__(StoredTensor)
     stored.dtype, stored.shape, stored.stride, stored.storage_offset = storage.dtype, size, stride, storage_offset
     stored.metadata, stored.element_size = metadata or {}, storage.element_size

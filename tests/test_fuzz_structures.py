@@ -2081,8 +2081,6 @@ def run_seed(seed: int, path) -> list:
 # its xfail and its entry here go)
 
 KNOWN_OPEN = {
-    "test_load_into_refuses_a_view_past_its_record_that_it_does_not_restore":
-        lambda d: d.cls.startswith("load_into: loads what torch refuses [torch: RuntimeError: Trying to resize"),
 }
 
 
@@ -2277,8 +2275,6 @@ def test_load_into_reads_a_file_whose_first_storage_key_is_not_0(tmp_path):
     assert target["w"].tolist() == [-1.0, -2.0, -3.0, -4.0]
 
 
-@pytest.mark.xfail(strict=True, reason="load_into (plain-pickle layout) checks the views of the tensors it "
-                   "restores only: torch.load refuses a view past its record anywhere in the pickle")
 def test_load_into_refuses_a_view_past_its_record_that_it_does_not_restore(tmp_path):
     path = tmp_path / "overwritten.pt"
     # {"w": <5 floats over 4>, "w": <4 floats>}: the second "w" replaces the first
