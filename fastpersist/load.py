@@ -1399,6 +1399,8 @@ class _Plan:
                     _torch_api.set_tensor_metadata(view, meta.metadata)
                 dst.copy_(view)
             for _, _, dst in self.direct:
+                if dst.dtype == torch.bool:  # the file's bytes as copy_ takes them: any but 0 is True (1)
+                    dst.view(torch.uint8).ne_(0)
                 torch.autograd.graph.increment_version(dst)  # like an in-place copy_
             for value, dst in self.loaded:
                 dst.copy_(value)

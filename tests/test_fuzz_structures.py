@@ -2264,6 +2264,17 @@ def test_an_ordered_dict_keeps_the_state_built_after_a___setstate___attribute(tm
     Comparison().same(theirs, fastpersist.load(path, verify=True))
 
 
+def test_load_into_makes_bool_bytes_other_than_0_and_1_true_as_copy__does(tmp_path):
+    """A bool record holding 2 or 0x37: torch.load + copy_ gives 1; read
+    straight into a bool target the raw byte stayed (memory no bool holds)."""
+    path = tmp_path / "bool.pt"
+    tiny(path, [("b", tensor_node(cls="BoolStorage"))], {"0": bytes([0, 1, 2, 0x37])})
+    want = torch.zeros(4, dtype=torch.bool).copy_(original_load()(path, weights_only=True)["b"])
+    target = {"b": torch.zeros(4, dtype=torch.bool)}
+    fastpersist.load_into(target, path)
+    assert target["b"].view(torch.uint8).tolist() == want.view(torch.uint8).tolist() == [0, 1, 1, 1]
+
+
 # open: xfail until fixed
 
 def test_load_into_reads_a_file_whose_first_storage_key_is_not_0(tmp_path):
