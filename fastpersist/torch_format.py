@@ -1064,8 +1064,9 @@ class ArchiveIndex:
         order = self.lookup("byteorder")
         if order is not None:
             value = self.read_record(read_at, order)
-            if value not in (b"little", b"big"):  # torch.load's own check (ValueError there)
-                raise self._error(f"the byteorder record holds {value[:40]!r}, neither 'little' nor 'big'")
+            if value not in (b"little", b"big"):  # torch.load's own check, and its exception type
+                raise ValueError(f"{self.path}: Unknown endianness type: {value[:40].decode(errors='replace')} "
+                                 "(the byteorder record holds neither 'little' nor 'big')")
 
     # -- reading a record: what miniz checks before it extracts one ----------
     def _locate(self, read_at, r: RecordEntry) -> int:

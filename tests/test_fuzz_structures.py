@@ -2275,6 +2275,18 @@ def test_load_into_makes_bool_bytes_other_than_0_and_1_true_as_copy__does(tmp_pa
     assert target["b"].view(torch.uint8).tolist() == want.view(torch.uint8).tolist() == [0, 1, 1, 1]
 
 
+def test_an_unknown_byteorder_is_refused_with_torch_s_exception_type(tmp_path):
+    path = tmp_path / "order.pt"
+    tiny(path, [("w", tensor_node())], {"0": F16}, byteorder=b"LITTLE")
+    with pytest.raises(ValueError, match="Unknown endianness type"):
+        original_load()(path, weights_only=True)
+    target = {"w": torch.zeros(4)}
+    for load in (lambda: fastpersist.load(path), lambda: fastpersist.load_into(target, path)):
+        with pytest.raises(ValueError, match="Unknown endianness type: LITTLE"):
+            load()
+    assert not target["w"].any()
+
+
 # open: xfail until fixed
 
 def test_load_into_reads_a_file_whose_first_storage_key_is_not_0(tmp_path):
