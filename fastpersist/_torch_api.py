@@ -276,7 +276,7 @@ def unpickle_weights_only(zip_reader, map_location, *, unpickling=None, **pickle
     would refuse could load. A file saved without CRCs goes to torch's
     unpickler alone.
 
-    unpickling, if given, wraps each pickle module used (see storages_as_loaded)."""
+    unpickling, if given, wraps each pickle module used."""
     plain, theirs = _PlainStateUnpickling, _ts._weights_only_unpickler
     if unpickling is not None:
         plain, theirs = unpickling(plain), unpickling(theirs)
@@ -286,40 +286,6 @@ def unpickle_weights_only(zip_reader, map_location, *, unpickling=None, **pickle
         return _ts._load(zip_reader, map_location, plain, **pickle_load_args)
     except Exception:
         return _ts._load(zip_reader, map_location, theirs, **pickle_load_args)
-
-
-def storages_as_loaded(pickle_module, check: Callable[[object, int], None]):
-    """pickle_module for a meta-device (layout-only) load, its storages as
-    a real load would have them. torch's meta load reads no record, so it
-    checks no record's size, and makes a new storage for every reference
-    (meta storages have no data pointer, which its cache of loaded storages
-    requires). A real load reads a key's record at its first non-empty
-    reference, refusing a size other than the pickle's, and gives the key's
-    later references that storage, dtype included. So: check(key, nbytes)
-    at a key's first non-empty reference (it raises to refuse), and the
-    first storage for the later ones."""
-
-    class Unpickler(pickle_module.Unpickler):
-        def load(self):
-            made = self.persistent_load  # _load's, set on the instance
-            loaded: dict = {}
-
-            def persistent_load(saved_id):
-                typed = made(saved_id)  # torch's checks of the id, its record looked up
-                key = saved_id[2]
-                first = loaded.get(key)
-                if first is not None:
-                    return first
-                nbytes = typed._untyped_storage.nbytes()
-                check(key, nbytes)
-                if nbytes:
-                    loaded[key] = typed
-                return typed
-
-            self.persistent_load = persistent_load
-            return super().load()
-
-    return types.SimpleNamespace(Unpickler=Unpickler, __name__=getattr(pickle_module, "__name__", "pickle"))
 
 
 class _PlainStateUnpickler(pickle.Unpickler):
