@@ -27,6 +27,13 @@ from typing import Optional
 
 from .errors import CheckpointError
 
+
+class ByteOrderError(CheckpointError, ValueError):
+    """A byteorder record that is neither 'little' nor 'big': a corrupt file
+    (CheckpointError, as every other) and the ValueError torch.load raises
+    for it, so code catching either catches it."""
+
+
 _U32_LIMIT = 0xFFFFFFFF
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _U16 = struct.Struct("<H")
@@ -1064,9 +1071,9 @@ class ArchiveIndex:
         order = self.lookup("byteorder")
         if order is not None:
             value = self.read_record(read_at, order)
-            if value not in (b"little", b"big"):  # torch.load's own check, and its exception type
-                raise ValueError(f"{self.path}: Unknown endianness type: {value[:40].decode(errors='replace')} "
-                                 "(the byteorder record holds neither 'little' nor 'big')")
+            if value not in (b"little", b"big"):  # torch.load's own check (a ValueError there)
+                raise ByteOrderError(f"{self.path}: Unknown endianness type: {value[:40].decode(errors='replace')} "
+                                     "(the byteorder record holds neither 'little' nor 'big'); the file is corrupt")
 
     # -- reading a record: what miniz checks before it extracts one ----------
     def _locate(self, read_at, r: RecordEntry) -> int:
