@@ -993,9 +993,16 @@ def _loaded_layout(image: _CheckpointImage, weights_only: bool):
     mapping = _mmap.mmap(image.fd, image.size, flags=_mmap.MAP_PRIVATE, prot=_mmap.PROT_READ | _mmap.PROT_WRITE)
     mapped = torch.frombuffer(mapping, dtype=torch.uint8).untyped_storage()
     reader = image.reader(mapped, image.read_file_into)
-    if weights_only:  # torch.load's encoding: SHORT_BINSTRING and BINSTRING decoded as UTF-8, strictly
-        return _torch_api.unpickle_weights_only(reader, "cpu", encoding="utf-8"), mapped
-    return _torch_api.unpickle_from(reader, "cpu", pickle, encoding="utf-8"), mapped
+    try:
+        if weights_only:  # torch.load's encoding: SHORT_BINSTRING and BINSTRING decoded as UTF-8, strictly
+            return _torch_api.unpickle_weights_only(reader, "cpu", encoding="utf-8"), mapped
+        return _torch_api.unpickle_from(reader, "cpu", pickle, encoding="utf-8"), mapped
+    except RuntimeError as exc:
+        if "not resizable" not in str(exc) or isinstance(exc, CheckpointError):
+            raise
+        # torch's refusal of a view past its record, said of the file (a RuntimeError still)
+        raise CheckpointError(f"{image.path}: a tensor's view reaches past its storage's record (torch.load "
+                              f"refuses the file: {exc}); the file is corrupt") from None
 
 
 def _placed(tensor, mapped, swap: bool):

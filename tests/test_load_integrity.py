@@ -84,7 +84,8 @@ def test_file_shrinking_during_the_read(folder, monkeypatch):
     # the storage: 200 elements, the record holds 100 (refused as the layout reads it, as torch.load refuses it)
     (b"cpuq\x06Kd", b"cpuq\x06K\xc8", "lie.pt: record 'data/0' holds 800 bytes, but the pickle says 1600; "),
     # the view: from element 10, 100 long, past the storage's end
-    (b"QK\x00Kd", b"QK\x0aKd", "lie.pt: the tensor 'w' needs 880 bytes of record 'data/0', which holds 800; "),
+    (b"QK\x00Kd", b"QK\x0aKd", "lie.pt: a tensor's view reaches past its storage's record (torch.load refuses "
+                                "the file: Trying to resize storage that is not resizable); "),
 ])
 def test_pickle_pointing_past_its_record(folder, old, new, message):
     """A pickle whose tensor reaches beyond its data record: load_into refuses
