@@ -153,6 +153,16 @@ def test_the_source_decides_the_mode(folder, page_cache_reads, monkeypatch):
         os.close(fd)
 
 
+def _modes(monkeypatch) -> list:
+    """The modes the pipeline reads in from now on, in order: "pread" (page cache) or "engine"."""
+    modes = []
+    real_pread, real_engine = read_pipeline.pread_extents, read_pipeline.engine_read_extents
+    monkeypatch.setattr(read_pipeline, "pread_extents", lambda *a, **k: (modes.append("pread"), real_pread(*a, **k))[1])
+    monkeypatch.setattr(read_pipeline, "engine_read_extents",
+                        lambda *a, **k: (modes.append("engine"), real_engine(*a, **k))[1])
+    return modes
+
+
 def _state():
     g = torch.Generator().manual_seed(0)
     return {"emb": torch.randn(3000, 1024, generator=g), "tied": None, "b": torch.randn(7, generator=g),
@@ -168,11 +178,7 @@ def test_every_load_reads_through_the_pipeline(folder, monkeypatch, page_cache_r
     original_save()(state, folder / "s.pt")
     if not cached and not _evicted(folder / "s.pt"):
         pytest.skip("this filesystem keeps the file in the page cache")
-    modes = []
-    real_pread, real_engine = read_pipeline.pread_extents, read_pipeline.engine_read_extents
-    monkeypatch.setattr(read_pipeline, "pread_extents", lambda *a, **k: (modes.append("pread"), real_pread(*a, **k))[1])
-    monkeypatch.setattr(read_pipeline, "engine_read_extents",
-                        lambda *a, **k: (modes.append("engine"), real_engine(*a, **k))[1])
+    modes = _modes(monkeypatch)
     _engine.release(_engine.acquire(fastpersist.options.current_options()))  # an engine idle: no small-file rule
     ours = fastpersist.load(folder / "s.pt")
     # (not cached: reading the index brings the file's last span in, which the page-cache readers may take)
@@ -245,11 +251,7 @@ def test_safetensors_loads_read_through_the_pipeline(folder, monkeypatch, page_c
         path.read_bytes()
     elif not _evicted(path):
         pytest.skip("this filesystem keeps the file in the page cache")
-    modes = []
-    real_pread, real_engine = read_pipeline.pread_extents, read_pipeline.engine_read_extents
-    monkeypatch.setattr(read_pipeline, "pread_extents", lambda *a, **k: (modes.append("pread"), real_pread(*a, **k))[1])
-    monkeypatch.setattr(read_pipeline, "engine_read_extents",
-                        lambda *a, **k: (modes.append("engine"), real_engine(*a, **k))[1])
+    modes = _modes(monkeypatch)
     _engine.release(_engine.acquire(fastpersist.options.current_options()))
     ours = fst.load_file(path)
     # cached: mapped as safetensors maps it (no read); not cached: the header's read brings the first

@@ -340,17 +340,19 @@ class DefaultBench:
         return out
 
     # -- loads in a fresh process ---------------------------------------------
+    def _load_in_fresh_process(self, mechanism: str, engine: Optional[str]) -> Callable:
+        """A measure: one load of the checkpoint by mechanism in a fresh process."""
+        def measure():
+            spec = {"kind": "load", "mechanism": mechanism, "path": self.checkpoint,
+                    "options": dataclasses.asdict(self.opts(engine or "auto")),
+                    "pieces": self.storage_sizes, "dtype": self.args.dtype}
+            result = self.fresh.run(spec)
+            return result["seconds"], result["phases"]
+        return measure
+
     def fresh_process_loads(self) -> list:
         operation, path, out = "load, fresh process", self.checkpoint, []
-
-        def in_fresh_process(mechanism: str, engine: Optional[str]):
-            def measure():
-                spec = {"kind": "load", "mechanism": mechanism, "path": path,
-                        "options": dataclasses.asdict(self.opts(engine or "auto")),
-                        "pieces": self.storage_sizes, "dtype": self.args.dtype}
-                result = self.fresh.run(spec)
-                return result["seconds"], result["phases"]
-            return measure
+        in_fresh_process = self._load_in_fresh_process
 
         def prepare():
             self.dropper.drop(path)
@@ -380,15 +382,7 @@ class DefaultBench:
         loads again, the file read through the page cache beforehand. The
         ceiling is the read pipeline's parallel read of the bare bytes."""
         operation, path, out = "load, fresh process, file in the page cache", self.checkpoint, []
-
-        def in_fresh_process(mechanism: str, engine: Optional[str]):
-            def measure():
-                spec = {"kind": "load", "mechanism": mechanism, "path": path,
-                        "options": dataclasses.asdict(self.opts(engine or "auto")),
-                        "pieces": self.storage_sizes, "dtype": self.args.dtype}
-                result = self.fresh.run(spec)
-                return result["seconds"], result["phases"]
-            return measure
+        in_fresh_process = self._load_in_fresh_process
 
         def prepare():
             common.warm(path)
