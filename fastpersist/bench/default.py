@@ -350,6 +350,14 @@ class DefaultBench:
             return result["seconds"], result["phases"]
         return measure
 
+    def _fresh_load_rows(self, operation: str, prepare: Callable) -> list:
+        """torch.load, torch.load(mmap=True) and fastpersist.load (each engine), each in a fresh process."""
+        load = self._load_in_fresh_process
+        rows = [Mechanism(Series(operation, "torch.load", role="vanilla"), load("torch.load", None), prepare),
+                Mechanism(Series(operation, "torch.load(mmap=True)"), load("torch.load(mmap=True)", None), prepare)]
+        return rows + [Mechanism(Series(operation, "fastpersist.load", engine, role="fastpersist"),
+                                 load("fastpersist.load", engine), prepare) for engine in self.engines]
+
     def fresh_process_loads(self) -> list:
         operation, path, out = "load, fresh process", self.checkpoint, []
         in_fresh_process = self._load_in_fresh_process
@@ -357,13 +365,8 @@ class DefaultBench:
         def prepare():
             self.dropper.drop(path)
 
-        out.append(Mechanism(Series(operation, "torch.load", role="vanilla"),
-                             in_fresh_process("torch.load", None), prepare))
-        out.append(Mechanism(Series(operation, "torch.load(mmap=True)"),
-                             in_fresh_process("torch.load(mmap=True)", None), prepare))
+        out += self._fresh_load_rows(operation, prepare)
         for engine in self.engines:
-            out.append(Mechanism(Series(operation, "fastpersist.load", engine, role="fastpersist"),
-                                 in_fresh_process("fastpersist.load", engine), prepare))
             # The ceiling of a load in a fresh process starts its engine and
             # reads into memory it maps then, as every load there must: no
             # restart finds memory faulted in or an engine started before it
@@ -387,13 +390,7 @@ class DefaultBench:
         def prepare():
             common.warm(path)
 
-        out.append(Mechanism(Series(operation, "torch.load", role="vanilla"),
-                             in_fresh_process("torch.load", None), prepare))
-        out.append(Mechanism(Series(operation, "torch.load(mmap=True)"),
-                             in_fresh_process("torch.load(mmap=True)", None), prepare))
-        for engine in self.engines:
-            out.append(Mechanism(Series(operation, "fastpersist.load", engine, role="fastpersist"),
-                                 in_fresh_process("fastpersist.load", engine), prepare))
+        out += self._fresh_load_rows(operation, prepare)
         out.append(Mechanism(Series(operation, "parallel page-cache read, from scratch (ceiling)", "-",
                                     role="ceiling"),
                              in_fresh_process("parallel page-cache read, from scratch", None), prepare))
