@@ -70,6 +70,12 @@ def through_page_cache(fd: int, size: int, options: Options, offset: int = 0, nb
     nbytes = size - offset if nbytes is None else nbytes
     if size < SMALL_FILE_BYTES and not _engine.has_idle(options, nbytes):
         return True
+    return is_cached(fd, nbytes, offset)
+
+
+def is_cached(fd: int, nbytes: int, offset: int = 0) -> bool:
+    """Whether CACHED_ENOUGH of bytes [offset, offset + nbytes) of the file
+    are in the page cache (False where that cannot be told)."""
     return (cached_fraction(fd, nbytes, offset) or 0.0) >= CACHED_ENOUGH
 
 
@@ -375,5 +381,5 @@ def _populate(run: list, state: _Shared) -> None:
             return
 
 
-__all__ = ["CACHED_ENOUGH", "SMALL_FILE_BYTES", "engine_for", "pread_extents", "read_extents", "read_threads",
+__all__ = ["CACHED_ENOUGH", "SMALL_FILE_BYTES", "engine_for", "is_cached", "pread_extents", "read_extents", "read_threads",
            "through_page_cache"]

@@ -765,13 +765,12 @@ def _mapped_as_safetensors_maps(fd: int, size: int) -> bool:
     small). Copying cached pages into fresh memory ran at 0.4-0.9 GB/s here
     (0.5 GB, fresh processes) where mapping them took 0.01-0.14 s."""
     from . import read_pipeline
-    from .fileio import cached_fraction
 
     try:
         _safetensors_own("load_file")
     except ValueError:
         return False
-    return (cached_fraction(fd, size) or 0.0) >= read_pipeline.CACHED_ENOUGH
+    return read_pipeline.is_cached(fd, size)
 
 
 def _header_of(path: str) -> Header:
@@ -1344,11 +1343,10 @@ def _through_page_cache(fd: int, offset: int, nbytes: int, file_size: int = 0, o
     (a file under its SMALL_FILE_BYTES, file_size where given, with no
     engine idle, or a span in the page cache already)."""
     from . import _engine, read_pipeline
-    from .fileio import cached_fraction
 
     if nbytes < _SMALL_READ or (0 < file_size < read_pipeline.SMALL_FILE_BYTES and not _engine.has_idle(opts, nbytes)):
         return True
-    return (cached_fraction(fd, nbytes, offset) or 0.0) >= read_pipeline.CACHED_ENOUGH
+    return read_pipeline.is_cached(fd, nbytes, offset)
 
 
 def _read_span(fd: int, path: str, offset: int, nbytes: int, opts):
