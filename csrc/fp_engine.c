@@ -928,6 +928,18 @@ int64_t fp_read_extents_progress(struct fp_engine *e, int direct_fd, int buffere
                                  const struct fp_extent *ext, size_t count, uint32_t *crcs,
                                  uint64_t *progress)
 {
+    return fp_read_extents_until(e, direct_fd, buffered_fd, ext, count, crcs, progress, NULL);
+}
+
+static int stop_asked(const int *stop)
+{
+    return stop != NULL && __atomic_load_n(stop, __ATOMIC_ACQUIRE) != 0;
+}
+
+int64_t fp_read_extents_until(struct fp_engine *e, int direct_fd, int buffered_fd,
+                              const struct fp_extent *ext, size_t count, uint32_t *crcs,
+                              uint64_t *progress, const int *stop)
+{
     uint64_t total = 0;
     for (size_t i = 0; i < count; i++) {
         if (i > 0 && ext[i].offset < ext[i - 1].offset + ext[i - 1].length)
@@ -953,7 +965,12 @@ int64_t fp_read_extents_progress(struct fp_engine *e, int direct_fd, int buffere
     size_t issued = 0, arrived = 0; /* buffers queued / read and handed to the copy-out */
     int more = 1;
     int fd = direct_fd >= 0 ? direct_fd : buffered_fd;
+    int stopped = 0;
     while (!e->error) {
+        if (stop_asked(stop)) {
+            stopped = 1;
+            break;
+        }
         size_t done = copy_out_done(&c);
         while (more && issued < done + nb) {
             int b = (int)(issued % nb);
@@ -984,8 +1001,10 @@ int64_t fp_read_extents_progress(struct fp_engine *e, int direct_fd, int buffere
         copy_out_hand(&c, arrived++);
     }
     wait_all(e);
-    copy_out_finish(&c, e->error != 0);
-    return e->error ? e->error : c.copied;
+    copy_out_finish(&c, e->error != 0 || stopped);
+    if (e->error)
+        return e->error;
+    return stopped ? -ECANCELED : c.copied;
 }
 
 int64_t fp_pread(struct fp_engine *e, int direct_fd, int buffered_fd, void *dst,

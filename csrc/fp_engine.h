@@ -177,6 +177,19 @@ int64_t fp_read_extents_progress(struct fp_engine *e, int direct_fd, int buffere
                                  uint64_t *progress);
 
 /*
+ * fp_read_extents_progress that another thread can stop: once *stop is
+ * non-zero (read with acquire order before each buffer is queued or handed
+ * to the copier) nothing more is read or copied; the reads in flight are
+ * waited for and the copier finishes the buffer it is copying, so that when
+ * the call returns -ECANCELED no byte of any extent is written any more.
+ * (A load given up on, an interrupt, must not leave the engine writing into
+ * memory its caller is about to free.) stop may be NULL.
+ */
+int64_t fp_read_extents_until(struct fp_engine *e, int direct_fd, int buffered_fd,
+                              const struct fp_extent *extents, size_t count, uint32_t *crcs,
+                              uint64_t *progress, const int *stop);
+
+/*
  * Pull read stream, for a consumer that takes the bytes out of the engine's
  * buffers itself (a host-to-device copy): the file range [offset, offset +
  * length) is read in file order into the buffers, whole buffers in flight

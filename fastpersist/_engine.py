@@ -302,12 +302,15 @@ class Engine:
         self._check(lib.fp_read_end(self._handle), "read")
 
     def read_extents(self, direct_fd: int, buffered_fd: int, extents, path: Optional[str] = None,
-                     *, checksums: bool = False, progress=None):
+                     *, checksums: bool = False, progress=None, stop: Optional[int] = None):
         """Reads (address, offset, length) extents, sorted by offset, in one pass.
         Returns bytes copied and, with checksums, each extent's CRC-32.
         progress: a ctypes.c_uint64 the engine sets, while it reads, to the
         file offset below which every extent's bytes are in place (another
-        thread may use them before the call returns)."""
+        thread may use them before the call returns).
+        stop: the address of an int another thread may set non-zero to stop
+        the read before its next buffer (OSError ECANCELED then; nothing is
+        written into the extents once it is raised)."""
         lib, ffi = _load()
         self._path = path
         count = len(extents)
@@ -318,8 +321,9 @@ class Engine:
             table[i].length = length
         crcs = ffi.new("uint32_t[]", count) if checksums else ffi.NULL
         where = ffi.NULL if progress is None else ffi.cast("uint64_t *", ctypes.addressof(progress))
-        copied = self._check(lib.fp_read_extents_progress(self._handle, direct_fd, buffered_fd, table, count, crcs,
-                                                          where), "read")
+        stop_word = ffi.NULL if stop is None else ffi.cast("const int *", stop)
+        copied = self._check(lib.fp_read_extents_until(self._handle, direct_fd, buffered_fd, table, count, crcs,
+                                                       where, stop_word), "read")
         return copied, (list(crcs) if checksums else None)
 
 

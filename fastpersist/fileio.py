@@ -12,6 +12,7 @@ import logging
 import os
 
 from . import _engine
+from .helper_threads import HelperThreads, ReadStopped
 from .options import Options
 
 log = logging.getLogger("fastpersist")
@@ -95,7 +96,7 @@ def reading_engine(path: str, options: Options, nbytes: int = 0, fd: int = -1):
 
 
 def read_extents(engine: _engine.Engine, direct_fd: int, fd: int, path: str, extents, checksums: bool,
-                 prefault: bool = False) -> dict:
+                 prefault: bool = False, stop=None) -> dict:
     """Reads (address, offset, nbytes) extents of the file into memory, in as
     few passes as non-overlapping batches allow (tied tensors share file
     bytes). Returns {(offset, nbytes): crc} with checksums, else {}; raises
@@ -104,9 +105,11 @@ def read_extents(engine: _engine.Engine, direct_fd: int, fd: int, path: str, ext
     prefault: the destinations may be memory never touched (a model built
     without initialising its weights, as a restart builds it): helper
     threads fault their pages in ahead of the copies, so page faults overlap
-    the I/O instead of stalling the engine's copy loop."""
+    the I/O instead of stalling the engine's copy loop.
+    stop: a helper_threads.StopSignal; once set, the engine stops before its
+    next buffer and ReadStopped is raised."""
     with prefaulting(extents) if prefault else contextlib.nullcontext():
-        return _read_extents(engine, direct_fd, fd, path, extents, checksums)
+        return _read_extents(engine, direct_fd, fd, path, extents, checksums, stop)
 
 
 @contextlib.contextmanager
@@ -116,14 +119,12 @@ def prefaulting(extents, threads: int = 0):
     new engine is created (in a fresh process: 10-140 ms here to lock and
     register its buffers, which the reads would otherwise wait for).
     threads: at most this many helpers (0: _Prefault.MAX_THREADS)."""
-    helper = _Prefault(extents, threads)
-    try:
+    with _Prefault(extents, threads):
         yield
-    finally:
-        helper.stop()
 
 
-def _read_extents(engine: _engine.Engine, direct_fd: int, fd: int, path: str, extents, checksums: bool) -> dict:
+def _read_extents(engine: _engine.Engine, direct_fd: int, fd: int, path: str, extents, checksums: bool,
+                  stop=None) -> dict:
     crcs = {}
     # the same bytes into the same memory once: tied weights (an embedding
     # and the output layer) reach here under two names
@@ -136,7 +137,13 @@ def _read_extents(engine: _engine.Engine, direct_fd: int, fd: int, path: str, ex
                 end = e[1] + e[2]
             else:
                 rest.append(e)
-        copied, sums = engine.read_extents(direct_fd, fd, batch, path, checksums=checksums)
+        try:
+            copied, sums = engine.read_extents(direct_fd, fd, batch, path, checksums=checksums,
+                                               stop=None if stop is None else stop.word)
+        except OSError as exc:
+            if exc.errno == errno.ECANCELED and stop is not None and stop.is_set():
+                raise ReadStopped(path) from None
+            raise
         if copied != sum(e[2] for e in batch):
             raise EOFError(path)
         if checksums:
@@ -172,21 +179,23 @@ class _Prefault:
     MAX_THREADS = 2
 
     def __init__(self, extents, threads: int = 0):
-        import threading
+        self._ranges = sorted(((e[1], e[0], e[2]) for e in extents if e[2]), key=lambda r: r[0])
+        self._threads = threads
+        self._helpers = HelperThreads(name="fastpersist-prefault")
 
-        ranges = sorted(((e[1], e[0], e[2]) for e in extents if e[2]), key=lambda r: r[0])
-        self._stopping = False
-        self._threads = []
+    def __enter__(self) -> "_Prefault":
+        ranges = self._ranges
         if sum(r[2] for r in ranges) >= self.MIN_BYTES:
-            count = max(1, min(threads or self.MAX_THREADS, _usable_cpus()))
+            count = max(1, min(self._threads or self.MAX_THREADS, _usable_cpus()))
             for index in range(count):
-                thread = threading.Thread(target=self._run, args=(ranges, index, count),
-                                          name="fastpersist-prefault", daemon=True)
-                try:
-                    thread.start()
-                except RuntimeError:  # no more threads: those started do the work, or the copies do
-                    break
-                self._threads.append(thread)
+                if not self._helpers.start(self._run, ranges, index, count):
+                    break  # no more threads: those started do the work, or the copies do
+        return self
+
+    def __exit__(self, *exc) -> None:
+        # the helpers stop at their next piece whatever the block did: what is left, the copies fault in
+        self._helpers.stop.set()
+        self._helpers.wait()
 
     def _run(self, ranges, index: int, count: int) -> None:
         """The pieces whose start falls in stretch index, index + count, ...
@@ -198,11 +207,12 @@ class _Prefault:
         libc = _libc()
         page = os.sysconf("SC_PAGE_SIZE")
         resident = (ctypes.c_ubyte * (self.PIECE // page))()
+        stop = self._helpers.stop
         before = 0  # bytes of the ranges before this piece
         for _, address, nbytes in ranges:
             lo = -(-address // page) * page
             hi = (address + nbytes) // page * page
-            while lo < hi and not self._stopping:
+            while lo < hi and not stop.is_set():
                 n = min(self.PIECE, hi - lo)
                 # mincore first: walking pages already in (a model that was
                 # trained, not just built) cost 0.05-0.14 s of CPU per 2 GB
@@ -212,15 +222,10 @@ class _Prefault:
                     if libc.madvise(lo, n, self.MADV_POPULATE_WRITE) != 0:
                         # an older kernel, or memory it will not populate:
                         # all helpers stop, the copies fault the rest in
-                        self._stopping = True
+                        stop.set()
                         return
                 before += n
                 lo += n
-
-    def stop(self) -> None:
-        self._stopping = True
-        for thread in self._threads:
-            thread.join()
 
 
 def _usable_cpus() -> int:

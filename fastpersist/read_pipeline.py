@@ -33,6 +33,7 @@ from typing import Optional
 from . import _engine
 from .fileio import _libc, _usable_cpus, cached_fraction, prefaulting, read_extents as engine_read_extents
 from .fileio import reading_engine, resident_pages
+from .helper_threads import HelperThreads, ReadStopped, StopSignal
 from .options import Options
 
 # below this a file with no engine idle is read through the page cache (see above)
@@ -80,7 +81,8 @@ def is_cached(fd: int, nbytes: int, offset: int = 0) -> bool:
 
 
 def read_extents(fd: int, path: str, size: int, options: Options, extents, checksums: bool, *,
-                 fresh: bool = False, started: Optional[threading.Event] = None) -> dict:
+                 fresh: bool = False, started: Optional[threading.Event] = None,
+                 stop: Optional[StopSignal] = None) -> dict:
     """Reads (address, offset, nbytes) extents of the open file fd (path
     names it in errors) into memory, in the mode its source calls for.
     Returns {(offset, nbytes): crc} with checksums, else {}; raises EOFError
@@ -95,7 +97,14 @@ def read_extents(fd: int, path: str, size: int, options: Options, extents, check
     faulted in by the readers (page cache) or by helper threads ahead of the
     engine's copies, not one page fault at a time in a copy loop.
     started, if given, is set once only the read's own work is left (the
-    caller, waiting to unpickle meanwhile, then goes on)."""
+    caller, waiting to unpickle meanwhile, then goes on).
+    stop: set by another thread that gives up on the read (the read runs on
+    a thread of its own): it ends at its next piece or engine buffer with
+    ReadStopped.
+
+    However the read ends (an error, an interrupt raised in the calling
+    thread, stop), no reader, helper or engine is writing into the
+    destinations any more when it returns or raises."""
     if size < SMALL_FILE_BYTES and not _engine.has_idle(options, size):
         cached, uncached = extents, []
     else:
@@ -103,13 +112,14 @@ def read_extents(fd: int, path: str, size: int, options: Options, extents, check
     if not uncached:
         if started is not None:
             started.set()
-        return _page_cache_read(fd, path, extents, checksums, options, fresh)
+        return _page_cache_read(fd, path, extents, checksums, options, fresh, stop)
     if not cached:
-        return _engine_read(fd, path, size, options, extents, checksums, fresh, started)
-    return _read_both_ways(fd, path, size, options, cached, uncached, checksums, fresh, started)
+        return _engine_read(fd, path, size, options, extents, checksums, fresh, started, stop)
+    return _read_both_ways(fd, path, size, options, cached, uncached, checksums, fresh, started, stop)
 
 
-def _page_cache_read(fd: int, path: str, extents, checksums: bool, options: Options, fresh: bool) -> dict:
+def _page_cache_read(fd: int, path: str, extents, checksums: bool, options: Options, fresh: bool,
+                     stop: Optional[StopSignal]) -> dict:
     """pread_extents with read_threads readers, each populating its own
     fresh pages; one reader alone (read_threads=1) has prefault helpers
     beside it instead: populating its pieces itself, it ran a 47 MB load
@@ -117,8 +127,8 @@ def _page_cache_read(fd: int, path: str, extents, checksums: bool, options: Opti
     threads = read_threads(options)
     if fresh and threads == 1:
         with prefaulting(extents):
-            return pread_extents(fd, path, extents, checksums, threads=1)
-    return pread_extents(fd, path, extents, checksums, threads=threads, populate=fresh)
+            return pread_extents(fd, path, extents, checksums, threads=1, stop=stop)
+    return pread_extents(fd, path, extents, checksums, threads=threads, populate=fresh, stop=stop)
 
 
 @contextlib.contextmanager
@@ -135,12 +145,12 @@ def engine_for(fd: int, path: str, size: int, options: Options, offset: int = 0,
 
 
 def _engine_read(fd: int, path: str, size: int, options: Options, extents, checksums: bool, fresh: bool,
-                 started: Optional[threading.Event]) -> dict:
+                 started: Optional[threading.Event], stop: Optional[StopSignal]) -> dict:
     with prefaulting(extents, read_threads(options)) if fresh else contextlib.nullcontext():
         with reading_engine(path, options, size, fd) as (engine, direct_fd):
             if started is not None:
                 started.set()
-            return engine_read_extents(engine, direct_fd, fd, path, extents, checksums)
+            return engine_read_extents(engine, direct_fd, fd, path, extents, checksums, stop=stop)
 
 
 def _split_by_residency(fd: int, size: int, extents) -> tuple:
@@ -176,27 +186,33 @@ def _split_by_residency(fd: int, size: int, extents) -> tuple:
 
 
 def _read_both_ways(fd: int, path: str, size: int, options: Options, cached: list, uncached: list,
-                    checksums: bool, fresh: bool, started: Optional[threading.Event]) -> dict:
+                    checksums: bool, fresh: bool, started: Optional[threading.Event],
+                    stop: Optional[StopSignal]) -> dict:
     """The cached pieces by the page-cache readers on a thread of their
     own, the others by the engine on this one, at once; the CRC of each
     extent read in pieces is combined from theirs, in file order."""
     found: dict = {}
     failed: list = []
 
-    def read_cached() -> None:
+    def read_cached(signal: StopSignal) -> None:
         try:
-            found["cached"] = _page_cache_read(fd, path, [p[:3] for p in cached], checksums, options, fresh)
+            found["cached"] = _page_cache_read(fd, path, [p[:3] for p in cached], checksums, options, fresh,
+                                               signal)
         except BaseException as exc:  # noqa: BLE001 - raised by the caller below
             failed.append(exc)
+            signal.set()  # the engine's part is of no use now either
 
-    thread = threading.Thread(target=read_cached, name="fastpersist-read", daemon=True)
-    thread.start()
     try:
-        crcs = _engine_read(fd, path, size, options, [p[:3] for p in uncached], checksums, fresh, started)
-    finally:
-        thread.join()
-    if failed:
-        raise failed[0]
+        with HelperThreads(stop) as helpers:
+            if not helpers.start(read_cached, helpers.stop):
+                read_cached(helpers.stop)
+            crcs = _engine_read(fd, path, size, options, [p[:3] for p in uncached], checksums, fresh, started,
+                                helpers.stop)
+    except ReadStopped:
+        if not failed or isinstance(failed[0], ReadStopped):
+            raise  # given up on by the caller's caller
+    if failed and not isinstance(failed[0], ReadStopped):
+        raise failed[0]  # the page-cache side's error, which stopped the engine's side
     if not checksums:
         return {}
     crcs.update(found["cached"])
@@ -212,7 +228,8 @@ def _read_both_ways(fd: int, path: str, size: int, options: Options, cached: lis
     return whole
 
 
-def pread_extents(fd: int, path: str, extents, checksums: bool, threads: int = 1, populate: bool = False) -> dict:
+def pread_extents(fd: int, path: str, extents, checksums: bool, threads: int = 1, populate: bool = False,
+                  stop: Optional[StopSignal] = None) -> dict:
     """Reads (address, offset, nbytes) extents through the page cache with
     up to ``threads`` threads (the caller one of them), straight into each
     destination. Returns {(offset, nbytes): crc} with checksums, else {};
@@ -222,7 +239,11 @@ def pread_extents(fd: int, path: str, extents, checksums: bool, threads: int = 1
 
     populate: fault each piece's pages in (MADV_POPULATE_WRITE) before
     reading into it: one call per piece instead of a fault per page inside
-    the copy (2.6 GB/s -> 3.1-3.3 here, two threads, fresh memory)."""
+    the copy (2.6 GB/s -> 3.1-3.3 here, two threads, fresh memory).
+    stop: once set (by a thread giving up on this read), no more pieces are
+    read; ReadStopped is raised once the readers have stopped.
+
+    No reader outlives the call, however it ends (helper_threads)."""
     pending = sorted({e for e in extents if e[2]}, key=lambda e: (e[1], e[2]))
     units = list(_units(pending))
     total = sum(e[2] for e in pending)
@@ -231,29 +252,30 @@ def pread_extents(fd: int, path: str, extents, checksums: bool, threads: int = 1
     state = _Shared(populate)
     work = iter(units)
 
-    def run() -> None:
+    def run(stop: StopSignal) -> None:
         scratch = memoryview(bytearray(GATHER_GAP))
+        for unit in work:  # a list iterator's next is atomic: each unit taken by one thread
+            if state.error is not None or stop.is_set():
+                return
+            _read_unit(fd, path, unit, scratch, checksums, state, pieces)
+
+    def helper(stop: StopSignal) -> None:
         try:
-            for unit in work:  # a list iterator's next is atomic: each unit taken by one thread
-                if state.error is not None:
-                    return
-                _read_unit(fd, path, unit, scratch, checksums, state, pieces)
+            run(stop)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
             state.fail(exc)
 
-    helpers = []
-    for _ in range(threads - 1):
-        thread = threading.Thread(target=run, name="fastpersist-read", daemon=True)
-        try:
-            thread.start()
-        except RuntimeError:  # no more threads: those started, and the caller, do the work
-            break
-        helpers.append(thread)
-    run()
-    for thread in helpers:
-        thread.join()
+    # The caller reads too; whatever it raises (an interrupt included) leaves only once every helper has
+    # stopped (HelperThreads), and is raised rather than a helper's error.
+    with HelperThreads(stop) as helpers:
+        for _ in range(threads - 1):
+            if not helpers.start(helper, helpers.stop):
+                break  # no more threads: those started, and the caller, do the work
+        run(helpers.stop)
     if state.error is not None:
         raise state.error
+    if stop is not None and stop.is_set():
+        raise ReadStopped(path)
     if not checksums:
         return {}
     crcs = state.crcs

@@ -41,6 +41,7 @@ from typing import Dict, Optional
 import torch
 
 from .fileio import same_file
+from .helper_threads import StopSignal, join_thread
 from .options import current_options
 from .errors import CheckpointError
 
@@ -724,8 +725,9 @@ def load_file(filename, device="cpu", *, backend: Optional[str] = None, verify: 
         if target.type == "cpu" and backend in (None, "mmap") and _mapped_as_safetensors_maps(fd, size):
             # in the page cache already: mapped, as safetensors' own load_file maps every file (its
             # tensors are the file's cached pages; a copy costs faulting in as much fresh memory)
-            out = _safetensors_own("load_file")(path, device="cpu")
-            return _verified(out, header, path) if verify else out
+            out = _mapped_load_file(fd, path, header, size)
+            if out is not None:
+                return _verified(out, header, path) if verify else out
         if target.type == "cpu":
             # one image of the file (a kept one's memory where there is one), read by the pipeline
             memory, fresh = load_memory.image_memory(size)
@@ -771,6 +773,28 @@ def _mapped_as_safetensors_maps(fd: int, size: int) -> bool:
     except ValueError:
         return False
     return read_pipeline.is_cached(fd, size)
+
+
+def _mapped_load_file(fd: int, path: str, header: Header, size: int) -> Optional[Dict[str, torch.Tensor]]:
+    """What safetensors' own load_file returns for the file fd is open on
+    (header and size: its header and size, read from fd): its tensors mapped by safetensors'
+    own safe_open, called here rather than through its load_file, which
+    looks safe_open up by a name the patch binds to fastpersist's. Opened
+    through /proc/self/fd: the file the header was read from, even where a
+    save has renamed another file over its name since. None where /proc is
+    not there (the caller reads the file itself)."""
+    opened_as = f"/proc/self/fd/{fd}"
+    try:
+        if not same_file(os.stat(opened_as), os.fstat(fd)):
+            return None
+    except OSError:
+        return None
+    with _safetensors_own("safe_open")(opened_as, framework="pt", device="cpu") as opened:
+        names = list(opened.offset_keys())
+        if set(names) != set(header.entries) or os.fstat(fd).st_size != size:
+            raise SafetensorsFileError(f"{path}: the file changed while it was being loaded (written in place); "
+                                       "load it again once its writer is done")
+        return {name: opened.get_tensor(name) for name in names}
 
 
 def _header_of(path: str) -> Header:
@@ -919,6 +943,7 @@ class safe_open:  # noqa: N801 - safetensors' name
         self._wanted: list = []  # chunks asked for, for the reader to read first
         self._reader: Optional[threading.Thread] = None  # reading chunks, while it runs
         self._closing = False
+        self._stop_reading = StopSignal()  # set by close(): the reader's pass ends at its next piece or buffer
 
     def __enter__(self) -> "safe_open":
         return self
@@ -928,10 +953,13 @@ class safe_open:  # noqa: N801 - safetensors' name
 
     def close(self) -> None:
         with self._lock:
-            self._closing = True  # the reader stops after the chunk it is reading
+            self._closing = True
             reader = self._reader
+        # the reader's pass stops at its next piece (page cache) or buffer (engine), not at the end of a
+        # run of chunks read ahead (up to AHEAD bytes); an interrupt meanwhile is raised once it has stopped
+        self._stop_reading.set()
         if reader is not None and reader is not threading.current_thread():
-            reader.join()
+            join_thread(reader)
         with self._lock:
             self._chunks, self._wanted = None, []  # the tensors handed out keep their own chunks alive
             self._held = 0
@@ -1241,7 +1269,7 @@ class safe_open:  # noqa: N801 - safetensors' name
                 if not failed:
                     _read_run(fd, self.path, [(ctypes.addressof(b), c.start, c.end - c.start)
                                               for b, c in zip(buffers, run)], progress, current_options(),
-                              self._size)
+                              self._size, self._stop_reading)
             except BaseException:  # noqa: BLE001 - met again by whoever reads the chunk itself (above)
                 failed = True
             finally:
@@ -1356,16 +1384,18 @@ def _read_span(fd: int, path: str, offset: int, nbytes: int, opts):
     return owner
 
 
-def _read_run(fd: int, path: str, extents: list, progress: ctypes.c_uint64, opts, file_size: int = 0) -> None:
+def _read_run(fd: int, path: str, extents: list, progress: ctypes.c_uint64, opts, file_size: int = 0,
+              stop: Optional[StopSignal] = None) -> None:
     """A pass of a safe_open's reader over a run of chunks (_read_into)."""
-    _read_into(fd, path, extents, progress, opts, file_size)
+    _read_into(fd, path, extents, progress, opts, file_size, stop)
 
 
-def _read_into(fd: int, path: str, extents: list, progress: ctypes.c_uint64, opts, file_size: int = 0) -> None:
+def _read_into(fd: int, path: str, extents: list, progress: ctypes.c_uint64, opts, file_size: int = 0,
+               stop: Optional[StopSignal] = None) -> None:
     """(address, offset, nbytes) extents that follow one another in the file
     (of file_size bytes, where given), in new memory, read in one pass,
     progress set as they arrive (each extent's end, once it is in place);
-    EOFError where the file ends first."""
+    EOFError where the file ends first; ReadStopped once stop is set."""
     from . import read_pipeline
     from .fileio import prefaulting, reading_engine
 
@@ -1375,13 +1405,14 @@ def _read_into(fd: int, path: str, extents: list, progress: ctypes.c_uint64, opt
         # populating its fresh pages as they go; its tensors handed out as it lands
         threads = read_pipeline.read_threads(opts)
         for extent in extents:
-            read_pipeline.pread_extents(fd, path, [extent], False, threads=threads, populate=True)
+            read_pipeline.pread_extents(fd, path, [extent], False, threads=threads, populate=True, stop=stop)
             progress.value = extent[1] + extent[2]
         return
     # the buffers are fresh memory: helper threads fault it in ahead of the engine's copies (a 2.2 GB
     # file on a RAM-backed device: 1.13 s with them, 1.92 s without; medians of 6 fresh processes)
     with prefaulting(extents), reading_engine(path, opts, end - start, fd) as (engine, direct_fd):
-        copied, _ = engine.read_extents(direct_fd, fd, extents, path, progress=progress)
+        copied, _ = engine.read_extents(direct_fd, fd, extents, path, progress=progress,
+                                        stop=None if stop is None else stop.word)
     if copied != end - start:
         raise EOFError(path)
 
