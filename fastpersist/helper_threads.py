@@ -61,15 +61,22 @@ class StopSignal:
 class HelperThreads:
     """Helpers of one call, used as ``with HelperThreads(parent) as helpers:``.
     ``helpers.start(target, *args)`` runs target on a new daemon thread
-    (False where no thread could be had: the caller does that work);
-    ``helpers.stop`` is their StopSignal (a child of parent's, where given).
-    Leaving the block with an exception sets it; leaving it at all waits for
-    every helper (see the module's docstring)."""
+    and returns it (None where no thread could be had: the caller does that
+    work); ``helpers.stop`` is their StopSignal (a child of parent's, where
+    given). Leaving the block with an exception sets it; leaving it at all
+    waits for every helper (see the module's docstring).
+
+    Each helper holds a lock of its own while it runs, which wait()
+    acquires: unlike Thread.join, an acquire cut short by an interrupt
+    leaves nothing changed and is simply tried again. (Python 3.11's join,
+    interrupted while the thread runs, releases the thread's own state lock
+    and marks it stopped: a join or is_alive after that says it has ended
+    while it still runs.)"""
 
     def __init__(self, parent: Optional[StopSignal] = None, name: str = "fastpersist-read"):
         self.stop = StopSignal(parent)
         self._name = name
-        self._entered: list = []  # threads that began to run a target
+        self._running: list = []  # (lock held while it runs, [done]) of each helper that began to run
         self._closed = False
 
     def __enter__(self) -> "HelperThreads":
@@ -80,56 +87,43 @@ class HelperThreads:
             self.stop.set()
         self.wait()
 
-    def start(self, target: Callable, *args) -> bool:
+    def start(self, target: Callable, *args) -> Optional[threading.Thread]:
         thread = threading.Thread(target=self._run, args=(target, args), name=self._name, daemon=True)
         try:
             thread.start()
         except RuntimeError:  # no more threads
-            return False
-        return True
+            return None
+        return thread
 
     def _run(self, target: Callable, args: tuple) -> None:
+        running, done = threading.Lock(), [False]
+        running.acquire()
         # Registered first, then the check: wait() closes first, then lists those registered. Under the GIL
         # one of the two orders holds, so a thread either is waited for or sees the block closed and leaves.
-        self._entered.append(threading.current_thread())
-        if self._closed:
-            return
-        target(*args)
+        self._running.append((running, done))
+        try:
+            if not self._closed:
+                target(*args)
+        finally:
+            done[0] = True  # before the release: a waiter that got the lock, then was interrupted, sees it
+            running.release()
 
     def wait(self) -> None:
         """Closes the block to threads not yet running and waits for each one
-        that is; an exception raised meanwhile is raised after the wait."""
+        that is; an exception raised meanwhile (an interrupt) sets stop and is
+        raised once every helper has stopped."""
         self._closed = True
-        pending = list(self._entered)
         first: Optional[BaseException] = None
-        while pending:
-            try:
-                pending[-1].join()  # join() may be called again after an interrupt (bpo-45274)
-                pending.pop()
-            except BaseException as exc:  # noqa: BLE001 - raised once every helper has stopped
-                self.stop.set()
-                if first is None:
-                    first = exc
+        for running, done in list(self._running):
+            while not done[0]:
+                try:
+                    running.acquire()
+                except BaseException as exc:  # noqa: BLE001 - raised once every helper has stopped
+                    self.stop.set()
+                    if first is None:
+                        first = exc
         if first is not None:
             raise first
 
 
-def join_thread(thread: threading.Thread, stop: Optional[StopSignal] = None) -> None:
-    """thread.join(), not cut short by an exception raised in this thread
-    meanwhile (an interrupt): stop is set, the wait goes on, and the first
-    such exception is raised once the thread has ended."""
-    first: Optional[BaseException] = None
-    while True:
-        try:
-            thread.join()
-            break
-        except BaseException as exc:  # noqa: BLE001 - raised below
-            if stop is not None:
-                stop.set()
-            if first is None:
-                first = exc
-    if first is not None:
-        raise first
-
-
-__all__ = ["HelperThreads", "ReadStopped", "StopSignal", "join_thread"]
+__all__ = ["HelperThreads", "ReadStopped", "StopSignal"]

@@ -41,7 +41,7 @@ from typing import Dict, Optional
 import torch
 
 from .fileio import same_file
-from .helper_threads import StopSignal, join_thread
+from .helper_threads import HelperThreads, StopSignal
 from .options import current_options
 from .errors import CheckpointError
 
@@ -943,7 +943,8 @@ class safe_open:  # noqa: N801 - safetensors' name
         self._wanted: list = []  # chunks asked for, for the reader to read first
         self._reader: Optional[threading.Thread] = None  # reading chunks, while it runs
         self._closing = False
-        self._stop_reading = StopSignal()  # set by close(): the reader's pass ends at its next piece or buffer
+        # the reader thread's; its stop is set by close(): the reader's pass ends at its next piece or buffer
+        self._reader_threads = HelperThreads(name="fastpersist-safetensors-reader")
 
     def __enter__(self) -> "safe_open":
         return self
@@ -957,9 +958,9 @@ class safe_open:  # noqa: N801 - safetensors' name
             reader = self._reader
         # the reader's pass stops at its next piece (page cache) or buffer (engine), not at the end of a
         # run of chunks read ahead (up to AHEAD bytes); an interrupt meanwhile is raised once it has stopped
-        self._stop_reading.set()
-        if reader is not None and reader is not threading.current_thread():
-            join_thread(reader)
+        self._reader_threads.stop.set()
+        if reader is not threading.current_thread():
+            self._reader_threads.wait()
         with self._lock:
             self._chunks, self._wanted = None, []  # the tensors handed out keep their own chunks alive
             self._held = 0
@@ -1165,10 +1166,8 @@ class safe_open:  # noqa: N801 - safetensors' name
         if self._reader is not None and not self._reader.is_alive():
             self._reader_gone()
         if self._reader is None and not self._closing and self._next_run(take=False):
-            reader = threading.Thread(target=self._reader_loop, name="fastpersist-safetensors-reader", daemon=True)
-            try:
-                reader.start()
-            except RuntimeError:  # no thread to be had: whoever waits for a chunk reads it itself
+            reader = self._reader_threads.start(self._reader_loop)
+            if reader is None:  # no thread to be had: whoever waits for a chunk reads it itself
                 return False
             self._reader = reader
         return self._reader is not None
@@ -1269,7 +1268,7 @@ class safe_open:  # noqa: N801 - safetensors' name
                 if not failed:
                     _read_run(fd, self.path, [(ctypes.addressof(b), c.start, c.end - c.start)
                                               for b, c in zip(buffers, run)], progress, current_options(),
-                              self._size, self._stop_reading)
+                              self._size, self._reader_threads.stop)
             except BaseException:  # noqa: BLE001 - met again by whoever reads the chunk itself (above)
                 failed = True
             finally:
@@ -1302,6 +1301,7 @@ def _mend_after_fork() -> None:
     for opened in list(_open_files):
         opened._lock = threading.Lock()
         opened._changed = threading.Condition(opened._lock)
+        opened._reader_threads = HelperThreads(name="fastpersist-safetensors-reader")  # the parent's ran there
         with opened._lock:
             opened._reader_gone(forked=True)
 

@@ -335,11 +335,11 @@ def test_plain_state_dicts_are_built_while_the_file_is_read(folder, monkeypatch,
 
         waited = []
 
-        def read_extents(image, extents, checksums, started=None, fresh=False):
+        def read_extents(image, extents, checksums, started=None, fresh=False, stop=None):
             if started is not None:
                 started.set()
             waited.append(unpickling.wait(10))
-            return real_read(image, extents, checksums, fresh=fresh)
+            return real_read(image, extents, checksums, fresh=fresh, stop=stop)
 
         monkeypatch.setattr(load_module._torch_api, "unpickle_plain_state", unpickle)
         monkeypatch.setattr(load_module._CheckpointImage, "read_extents", read_extents)

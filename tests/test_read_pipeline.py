@@ -6,6 +6,7 @@ import mmap
 import os
 import random
 import threading
+import time
 import zlib
 
 import pytest
@@ -75,7 +76,12 @@ def test_a_large_read_is_shared_among_the_threads(folder, monkeypatch):
     real = read_pipeline._read_unit
 
     def spy(*args, **kwargs):
+        # each reader's first piece waits (2 s at most) until all four have one: on 2 CPUs the first
+        # readers may otherwise take every piece before the last one runs
         readers.add(threading.get_ident())
+        deadline = time.monotonic() + 2
+        while len(readers) < 4 and time.monotonic() < deadline:
+            time.sleep(0.001)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(read_pipeline, "_read_unit", spy)
