@@ -940,6 +940,7 @@ class safe_open:  # noqa: N801 - safetensors' name
         self._unread = 0  # chunks unread (none: nothing to read ahead, found without a scan)
         self._last = 0  # the chunk a tensor was last asked for from
         self._read_ahead = read_ahead
+        self.read_ahead_bytes = AHEAD  # at most this much read ahead and held (a caller may lower it)
         self._wanted: list = []  # chunks asked for, for the reader to read first
         self._reader: Optional[threading.Thread] = None  # reading chunks, while it runs
         self._closing = False
@@ -1192,7 +1193,7 @@ class safe_open:  # noqa: N801 - safetensors' name
         """Bytes the reader may hold, read or being read and not handed out:
         growing with the bytes handed out (a file opened for one tensor reads
         one chunk past it), up to AHEAD."""
-        return min(AHEAD, CHUNK + 16 * self._handed_bytes)
+        return min(self.read_ahead_bytes, CHUNK + 16 * self._handed_bytes)
 
     def _next_run(self, take: bool) -> list:
         """The chunks for the reader to read next in one pass (under the lock):

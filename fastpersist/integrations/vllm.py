@@ -1,0 +1,270 @@
+"""fastpersist as a vLLM load format: ``vllm serve MODEL --load-format
+fastpersist``, or ``LLM(model=..., load_format="fastpersist")``.
+
+Registered in every vLLM process (its spawned engine and workers too) by
+fastpersist's entry point in the ``vllm.general_plugins`` group: nothing to
+import or call. A model folder's weights are read this way:
+
+- safetensors shards (those its ``model.safetensors.index.json`` names,
+  where it has one; else every ``*.safetensors``), in file order; a model
+  with none, its ``*.bin`` / ``*.pt`` files, through ``fastpersist.load``.
+- A shard in the page cache already (read before, just written, on tmpfs)
+  is mapped as safetensors maps it: its tensors are the cached pages, and
+  vLLM's ``weight_loader`` copies each into its parameter. Copying the
+  pages into fresh memory first would add a pass over every byte.
+- A shard that is not is read by ``fastpersist.safetensors.safe_open``:
+  O_DIRECT through the engine (or the page-cache readers where the read
+  pipeline says so), runs of whole tensors read ahead on a thread of its own
+  while vLLM copies the tensors before them, at most ``read_ahead_mib``
+  held (256 MiB by default; a window, not the model twice).
+- Meanwhile helper threads fault the model's parameters in (vLLM allocates
+  them untouched), so the copies into them do not stop at every new page.
+
+Every tensor handed to vLLM owns its memory (a mapping, or a chunk its
+tensors keep alive): vLLM may hold tensors until a whole layer has arrived
+(in-place reloads, online quantization). ``get_all_weights`` is what vLLM's
+``reload_weights`` calls, so reloads in place read the same way.
+
+Options (``model_loader_extra_config``): ``read_ahead_mib`` (int > 0),
+``prefault_parameters`` (bool, default True)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from typing import Iterator, Optional
+
+LOAD_FORMAT = "fastpersist"
+READ_AHEAD_MIB = 256
+INDEX_FILE = "model.safetensors.index.json"
+_OPTIONS = {"read_ahead_mib": int, "prefault_parameters": bool}
+# files a folder may hold beside a model's weights (vLLM skips these too)
+_NOT_WEIGHTS = ("training_args.bin", "optimizer.bin", "optimizer.pt", "scheduler.pt", "scaler.pt")
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: registers the load format
+    with vLLM's loader registry (once per process; nothing where vLLM is not
+    installed)."""
+    try:
+        from vllm.model_executor import model_loader
+    except ImportError:
+        return
+    if LOAD_FORMAT in getattr(model_loader, "_LOAD_FORMAT_TO_MODEL_LOADER", {}):
+        return
+    model_loader.register_model_loader(LOAD_FORMAT)(_loader_class())
+
+
+def weight_files(folder: str) -> list:
+    """The weight files of a model folder, in the order they are read:
+    safetensors shards (those its index names, where it has one) or, where
+    there are none, its .bin / .pt files. FileNotFoundError names what is
+    missing."""
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"{folder}: no such model folder")
+    index = os.path.join(folder, INDEX_FILE)
+    if os.path.exists(index):
+        with open(index) as f:
+            try:
+                named = sorted(set(json.load(f)["weight_map"].values()), key=_natural)
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise ValueError(f"{index}: not a safetensors index (a weight_map of names to files): {exc}") \
+                    from None
+        for name in named:
+            if not os.path.isfile(os.path.join(folder, name)):
+                raise FileNotFoundError(f"{index} names {name}, which is not in {folder}")
+        return [os.path.join(folder, name) for name in named]
+    names = sorted((n for n in os.listdir(folder) if n.endswith(".safetensors")), key=_natural)
+    if not names:
+        names = sorted((n for n in os.listdir(folder) if n.endswith((".bin", ".pt")) and not n.endswith(_NOT_WEIGHTS)),
+                       key=_natural)
+    if not names:
+        raise FileNotFoundError(f"{folder}: no *.safetensors, *.bin or *.pt weights")
+    return [os.path.join(folder, name) for name in names]
+
+
+def _note(exc: BaseException, note: str) -> None:
+    """Says which file (and tensor) an error met, once, in its traceback."""
+    if hasattr(exc, "add_note") and not any("fastpersist" in n for n in getattr(exc, "__notes__", ())):
+        exc.add_note(note)
+
+
+def _natural(name: str) -> list:
+    """model-2-of-10 before model-10-of-10."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def weights(files: list, read_ahead_mib: int = READ_AHEAD_MIB, log=None, where: Optional[list] = None) -> Iterator:
+    """(name, CPU tensor) of every tensor of the files, file after file and
+    in file order within each; log(message, *args), where given, is told
+    how each file was read; where, a list, is set to [file, name] of the
+    tensor handed out last (for the consumer's errors)."""
+    for path in files:
+        started, nbytes, mode = time.perf_counter(), os.path.getsize(path), None
+        try:
+            if path.endswith(".safetensors"):
+                mode, tensors = _safetensors_tensors(path, read_ahead_mib << 20)
+            else:
+                mode, tensors = "fastpersist.load", _torch_file_tensors(path)
+            for name, tensor in tensors:
+                if where is not None:
+                    where[:] = [path, name]
+                yield name, tensor
+        except Exception as exc:  # noqa: BLE001 - noted and raised
+            _note(exc, f"(while fastpersist read {path})")
+            raise
+        if log is not None:
+            seconds = time.perf_counter() - started
+            log("fastpersist: %s: %.2f GB %s in %.2f s (%.2f GB/s, vLLM's copies into parameters included)",
+                os.path.basename(path), nbytes / 1e9, mode, seconds, nbytes / 1e9 / max(seconds, 1e-9))
+
+
+def _safetensors_tensors(path: str, read_ahead_bytes: int):
+    """(how the file is read, its (name, tensor) pairs in file order)."""
+    from .. import read_pipeline
+    from .. import safetensors as fast_st
+
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        header = fast_st.Header.read(fd, path, size)  # a sound file, or SafetensorsFileError naming it
+        cached = read_pipeline.is_cached(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    if cached:
+        return "mapped (in the page cache)", _mapped_tensors(fd, path, header, size)
+    os.close(fd)
+    return "read by the engine", _read_tensors(path, header, read_ahead_bytes)
+
+
+def _mapped_tensors(fd: int, path: str, header, size: int):
+    from .. import safetensors as fast_st
+
+    try:
+        mapped = fast_st._mapped_load_file(fd, path, header, size)
+    finally:
+        os.close(fd)
+    if mapped is None:  # no /proc: read as a file not cached
+        yield from _read_tensors(path, header, READ_AHEAD_MIB << 20)
+        return
+    for name in header.entries:  # file order
+        yield name, mapped.pop(name)
+
+
+def _read_tensors(path: str, header, read_ahead_bytes: int):
+    from .. import safetensors as fast_st
+
+    with fast_st.safe_open(path, framework="pt") as opened:
+        opened.read_ahead_bytes = read_ahead_bytes
+        for name in header.entries:
+            yield name, opened.get_tensor(name)
+
+
+def _torch_file_tensors(path: str):
+    from ..load import load
+
+    state = load(path, map_location="cpu", weights_only=True)
+    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict):
+        raise ValueError(f"{path}: holds a {type(state).__name__}, not a state dict of tensors")
+    for name in list(state):
+        tensor = state.pop(name)
+        if hasattr(tensor, "data_ptr"):
+            yield name, tensor
+
+
+def _parameter_extents(model) -> list:
+    """(address, order, nbytes) of the model's CPU parameters and buffers,
+    in their order (roughly the checkpoint's), for fileio.prefaulting."""
+    extents, seen, at = [], set(), 0
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if tensor.device.type != "cpu" or not tensor.numel():
+            continue
+        storage = tensor.untyped_storage()
+        address = storage.data_ptr()
+        if address in seen:
+            continue
+        seen.add(address)
+        extents.append((address, at, storage.nbytes()))
+        at += storage.nbytes()
+    return extents
+
+
+def _loader_class():
+    """The BaseModelLoader subclass (made where vLLM is importable)."""
+    import contextlib
+
+    from vllm.logger import init_logger
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    from ..fileio import prefaulting
+
+    # under "vllm.": its handlers and format, as vLLM's own loaders log
+    logger = init_logger("vllm.model_executor.model_loader.fastpersist")
+
+    class FastPersistModelLoader(BaseModelLoader):
+        """vLLM's ``fastpersist`` load format (see the module's docstring)."""
+
+        def __init__(self, load_config):
+            super().__init__(load_config)
+            extra = dict(load_config.model_loader_extra_config or {})
+            unknown = sorted(set(extra) - set(_OPTIONS))
+            if unknown:
+                raise ValueError(f"load format {LOAD_FORMAT!r}: unknown model_loader_extra_config keys {unknown}; "
+                                 f"it takes {sorted(_OPTIONS)}")
+            for key, kind in _OPTIONS.items():
+                value = extra.get(key)
+                if key not in extra or (kind is bool and isinstance(value, bool)) or \
+                        (kind is int and isinstance(value, int) and not isinstance(value, bool) and value > 0):
+                    continue
+                raise ValueError(f"load format {LOAD_FORMAT!r}: {key}={value!r}: expected "
+                                 f"{'True or False' if kind is bool else 'an int > 0'}")
+            self.read_ahead_mib = extra.get("read_ahead_mib", READ_AHEAD_MIB)
+            self.prefault_parameters = extra.get("prefault_parameters", True)
+
+        def _folder(self, model_config) -> str:
+            name = getattr(model_config, "model_weights", None) or model_config.model
+            if os.path.isdir(name):
+                return name
+            # a Hub id: resolved as vLLM resolves it (the local cache where offline)
+            from vllm.model_executor.model_loader.weight_utils import download_weights_from_hf
+
+            return download_weights_from_hf(name, self.load_config.download_dir,
+                                            ["*.safetensors", "*.json", "*.bin", "*.pt"], model_config.revision)
+
+        def _files(self, model_config) -> list:
+            return weight_files(self._folder(model_config))
+
+        def download_model(self, model_config) -> None:
+            self._files(model_config)
+
+        def get_all_weights(self, model_config, model) -> Iterator:
+            yield from weights(self._files(model_config), self.read_ahead_mib, logger.info)
+
+        def load_weights(self, model, model_config) -> None:
+            files = self._files(model_config)
+            started = time.perf_counter()
+            prefault = prefaulting(_parameter_extents(model)) if self.prefault_parameters else \
+                contextlib.nullcontext()
+            where: list = []
+            try:
+                with prefault:
+                    loaded = model.load_weights(weights(files, self.read_ahead_mib, logger.info, where))
+            except Exception as exc:  # noqa: BLE001 - noted and raised: which tensor of which file vLLM refused
+                if where:
+                    _note(exc, f"(the tensor {where[1]!r} of {where[0]}, read by fastpersist)")
+                raise
+            logger.info("Loading weights took %.2f seconds", time.perf_counter() - started)
+            if model_config.quantization is None and loaded is not None:
+                missing = {name for name, _ in model.named_parameters()} - set(loaded)
+                if missing:
+                    raise ValueError(f"Following weights were not initialized from checkpoint: {sorted(missing)} "
+                                     f"(read by fastpersist from {', '.join(files)})")
+
+    return FastPersistModelLoader
+
+
+__all__ = ["LOAD_FORMAT", "register", "weight_files", "weights"]
