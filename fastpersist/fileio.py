@@ -113,13 +113,17 @@ def read_extents(engine: _engine.Engine, direct_fd: int, fd: int, path: str, ext
 
 
 @contextlib.contextmanager
-def prefaulting(extents, threads: int = 0):
+def prefaulting(extents, threads: int = 0, read_only: bool = False):
     """_Prefault's helpers for the (address, offset, nbytes) extents while the
     block runs. Entered before taking an engine, it faults memory in while a
     new engine is created (in a fresh process: 10-140 ms here to lock and
     register its buffers, which the reads would otherwise wait for).
-    threads: at most this many helpers (0: _Prefault.MAX_THREADS)."""
-    with _Prefault(extents, threads):
+    threads: at most this many helpers (0: _Prefault.MAX_THREADS).
+    read_only: the extents are a mapping of a file to read from, not
+    memory to write: its pages are read in (MADV_POPULATE_READ; from the
+    device where not cached), never made writable (a private mapping's
+    pages would be copied)."""
+    with _Prefault(extents, threads, read_only):
         yield
 
 
@@ -174,13 +178,15 @@ class _Prefault:
     # fresh process, through the page cache, took 12.5 ms with two, 14.8 ms
     # without (medians of 6 alternating processes)
     MIN_BYTES = 4 << 20
+    MADV_POPULATE_READ = 22
     MADV_POPULATE_WRITE = 23
     PIECE = 8 << 20
     MAX_THREADS = 2
 
-    def __init__(self, extents, threads: int = 0):
+    def __init__(self, extents, threads: int = 0, read_only: bool = False):
         self._ranges = sorted(((e[1], e[0], e[2]) for e in extents if e[2]), key=lambda r: r[0])
         self._threads = threads
+        self._advice = self.MADV_POPULATE_READ if read_only else self.MADV_POPULATE_WRITE
         self._helpers = HelperThreads(name="fastpersist-prefault")
 
     def __enter__(self) -> "_Prefault":
@@ -219,7 +225,7 @@ class _Prefault:
                 # here, taken from the engine's threads; mincore, 2 ms
                 if (before // self.PIECE) % count == index and (
                         libc.mincore(lo, n, resident) != 0 or 0 in ctypes.string_at(resident, -(-n // page))):
-                    if libc.madvise(lo, n, self.MADV_POPULATE_WRITE) != 0:
+                    if libc.madvise(lo, n, self._advice) != 0:
                         # an older kernel, or memory it will not populate:
                         # all helpers stop, the copies fault the rest in
                         stop.set()

@@ -105,8 +105,11 @@ def test_fastpersist_loads_and_reloads_as_vllms_own_loaders(models, tmp_path):
         {"model": str(models["bin"]), "load_format": "auto"},
         {"model": str(models["bin"]), "load_format": "fastpersist"},
     ]
+    cold_engine = make_model(tmp_path / "cold_engine", 8, shard="8MB", hidden=512)
     evict(cold)
-    plan += [{"model": str(cold), "load_format": "fastpersist"}, {"model": str(cold), "load_format": "safetensors"}]
+    evict(cold_engine)
+    plan += [{"model": str(cold), "load_format": "fastpersist"}, {"model": str(cold), "load_format": "safetensors"},
+             {"model": str(cold_engine), "load_format": "fastpersist", "extra_config": {"cold_read": "engine"}}]
     results, log = drive(plan, tmp_path)
     for r in results:
         assert "error" not in r, r["error"]
@@ -115,9 +118,11 @@ def test_fastpersist_loads_and_reloads_as_vllms_own_loaders(models, tmp_path):
     assert ours[2] == ours[0] and ours[1] != ours[0]  # and back: the reload changed the weights, both ways
     assert results[3]["tokens"] == results[2]["tokens"]  # fp16, tied embeddings, one file
     assert results[5]["tokens"] == results[4]["tokens"]  # pytorch_model.bin
-    assert results[6]["tokens"] == results[7]["tokens"]  # from the disk, through the engine
+    assert results[6]["tokens"] == results[7]["tokens"] == results[8]["tokens"]  # from the disk: mapped, engine
     ours_log = [line for line in log.splitlines() if "fastpersist: " in line]
-    assert "read by the engine" in log and "mapped (in the page cache)" in log and "Loading weights took" in log, ours_log
+    for mode in ("read by the engine", "mapped, read ahead from the device", "mapped (in the page cache)"):
+        assert mode in log, (mode, ours_log)
+    assert "Loading weights took" in log
     assert log.count("Reloading and processing weights took") == 3
 
 
@@ -175,13 +180,15 @@ def test_the_iterator_gives_every_tensor_as_safetensors_does(models, monkeypatch
     expected = {}
     for f in files:
         expected.update({k: v.clone() for k, v in load_file(f).items()})  # not mapped: evict() must drop the pages
-    for cached, mode in ((True, "mapped"), (False, "read by the engine")):
+    for cached, cold_read, mode in ((True, "mapped", "mapped (in the page cache)"),
+                                    (False, "mapped", "mapped, read ahead from the device"),
+                                    (False, "engine", "read by the engine")):
         if not cached:
             evict(models["sharded"])
             if _cached_fraction(files[0]) > 0.5:
                 pytest.skip("this filesystem keeps the files in the page cache")
         logged = []
-        got = dict(fp_vllm.weights(files, log=lambda msg, *args: logged.append(msg % args)))
+        got = dict(fp_vllm.weights(files, log=lambda msg, *args: logged.append(msg % args), cold_read=cold_read))
         assert got.keys() == expected.keys()
         for name, tensor in got.items():
             assert torch.equal(tensor, expected[name]), name
