@@ -12,6 +12,7 @@ errors of broken folders."""
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 
 import pytest
@@ -67,10 +68,10 @@ def evict(folder: pathlib.Path) -> None:
             os.close(fd)
 
 
-def drive(plan: list, tmp: pathlib.Path, processes: bool = False) -> tuple:
+def drive(plan: list, tmp: pathlib.Path, processes: bool = False, env: dict = None) -> tuple:
     """([result per case], vLLM's log and output) of tests/vllm_driver.py over plan."""
     (tmp / "plan.json").write_text(json.dumps(plan))
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1" if processes else "0")
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1" if processes else "0", **(env or {}))
     done = subprocess.run([VLLM_PYTHON, str(ROOT / "tests" / "vllm_driver.py"), str(tmp / "plan.json")],
                           capture_output=True, text=True, env=env, timeout=900, cwd=tmp)
     results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
@@ -110,9 +111,16 @@ def test_fastpersist_loads_and_reloads_as_vllms_own_loaders(models, tmp_path):
     evict(cold_engine)
     plan += [{"model": str(cold), "load_format": "fastpersist"}, {"model": str(cold), "load_format": "safetensors"},
              {"model": str(cold_engine), "load_format": "fastpersist", "extra_config": {"cold_read": "engine"}}]
-    results, log = drive(plan, tmp_path)
+    # a Hub id already in the local cache (HF_HUB_OFFLINE=1, as the driver sets): resolved as vLLM resolves it
+    snapshot = tmp_path / "hf" / "hub" / "models--fastpersist-tests--tied" / "snapshots" / "0123abcd"
+    shutil.copytree(models["tied_fp16"], snapshot)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("0123abcd")
+    plan.append({"model": "fastpersist-tests/tied", "load_format": "fastpersist"})
+    results, log = drive(plan, tmp_path, env={"HF_HOME": str(tmp_path / "hf")})
     for r in results:
         assert "error" not in r, r["error"]
+    assert results[9]["tokens"] == results[2]["tokens"]  # the Hub id's snapshot: the tied fp16 model
     stock, ours = results[0]["tokens"], results[1]["tokens"]
     assert ours[0] == stock[0] and ours[1] == stock[1]  # loaded, then reloaded in place with other weights
     assert ours[2] == ours[0] and ours[1] != ours[0]  # and back: the reload changed the weights, both ways

@@ -144,6 +144,13 @@ def notes(document: dict) -> list:
                 "transformers reads: its safe_open) over this one in the same round, median over rounds; × ceiling: "
                 "the raw engine's time over this one. Cold loads: each in a fresh process, the files dropped from "
                 "the page cache, every byte touched."]
+    if document["benchmark"] == "fastpersist bench vllm":
+        return ["Seconds: the load format's `load_weights` in a fresh vLLM process (vLLM's own \"Loading weights "
+                "took\" agrees where logged), or vLLM's \"Reloading and processing weights took\" for a reload in "
+                "place; median over rounds. ×: vLLM's default loader's time over this one in the same round. "
+                "Private memory: growth of the process's anonymous memory during the load (the parameters "
+                "themselves; mapped files' pages are the page cache's). Every start's greedy tokens equal "
+                "the default loader's. The plain read's row is `cat` of the same shards."]
     if document["benchmark"] == "fastpersist bench gpu":
         return ["× reference: torch's time over this one in the same round (for save_async: one device-to-host "
                 "copy_ of the state), median over rounds; × ceiling: the raw engine's time over this one; "
@@ -153,15 +160,46 @@ def notes(document: dict) -> list:
             "engine's time over this one (1.00: as fast as the engine with no format)."]
 
 
+def _vllm_cells(document: dict) -> tuple:
+    """`fastpersist bench vllm`'s rows as one row per load format: its
+    seconds (and × vLLM's default loader) per regime, the reload's, and the
+    private memory the load grew by."""
+    regimes = ("cold", "warm", "tmpfs")
+    headers = ["load format"] + [f"{r} s (×)" for r in regimes] + ["reload, warm s (×)", "private memory GB"]
+    found: dict = {}
+    for row in document["results"]:
+        operation = row["operation"]
+        regime = operation.rsplit(", ", 1)[-1]
+        kind = "reload" if operation.startswith("reload") else "load"
+        found.setdefault(row["mechanism"], {})[kind, regime] = row
+
+    def cell(row: Optional[dict]) -> str:
+        if row is None:
+            return "-"
+        x = row.get("x_vanilla")
+        return f"{row['median_s']:.3f}" + (f" ({x:.2f})" if x is not None else "")
+
+    body = []
+    for mechanism, rows in found.items():
+        memory = max((r.get("median_anon_growth_bytes") or 0 for r in rows.values()), default=0)
+        body.append([mechanism] + [cell(rows.get(("load", r))) for r in regimes]
+                    + [cell(rows.get(("reload", "warm"))), f"{memory / 1e9:.2f}" if memory else "-"])
+    return headers, body, list(range(1, len(headers)))
+
+
+def _cells_of(document: dict) -> tuple:
+    return _vllm_cells(document) if document["benchmark"] == "fastpersist bench vllm" else _cells(document)
+
+
 def text(document: dict, path: Optional[str] = None) -> str:
-    headers, body, right = _cells(document)
+    headers, body, right = _cells_of(document)
     return "\n".join(context_lines(document, path) + [""] + common.table(headers, body, right=right)
                      + [""] + notes(document)) + "\n"
 
 
 def markdown(document: dict, path: Optional[str] = None) -> str:
     """A Markdown block: what, where and when as a list, then the table."""
-    headers, body, right = _cells(document)
+    headers, body, right = _cells_of(document)
     out = [f"- {line}" for line in context_lines(document, path)]
     out += ["", "| " + " | ".join(headers) + " |",
             "| " + " | ".join("---:" if i in right else "---" for i in range(len(headers))) + " |"]
