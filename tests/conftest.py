@@ -198,3 +198,17 @@ def is_locked(path) -> bool:
         return True
     finally:
         os.close(fd)  # drops our lock, if we got it
+
+
+def evicted(path) -> bool:
+    """Drops a file from the page cache (fsync, POSIX_FADV_DONTNEED); whether
+    that worked (under half of it still cached: some filesystems keep it)."""
+    from fastpersist.fileio import cached_fraction
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return (cached_fraction(fd, os.fstat(fd).st_size) or 0.0) < 0.5
+    finally:
+        os.close(fd)

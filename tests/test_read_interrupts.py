@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import fastpersist
+from conftest import evicted
 import fastpersist.safetensors as fast_st
 from fastpersist import _engine, read_pipeline
 from fastpersist.options import Options
@@ -128,16 +129,6 @@ def _file(path, size, seed=0):
     return path
 
 
-def _evicted(path) -> bool:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        from fastpersist.fileio import cached_fraction
-
-        return (cached_fraction(fd, os.fstat(fd).st_size) or 0.0) < 0.5
-    finally:
-        os.close(fd)
 
 
 def _interrupt_at(where, monkeypatch):
@@ -174,7 +165,7 @@ def test_both_ways_readers_stop_before_the_interrupt_leaves(folder, monkeypatch,
     (held), the rest by the engine on the caller's."""
     size = 48 * MiB
     path = _file(folder / "data.bin", size, 1)
-    if not _evicted(path):
+    if not evicted(path):
         pytest.skip("this filesystem keeps the file in the page cache")
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -259,7 +250,7 @@ def test_the_engine_stops_at_its_stop_signal(folder):
 
     size = 128 * MiB
     path = _file(folder / "data.bin", size, 2)
-    _evicted(path)
+    evicted(path)
     memory = mmap.mmap(-1, size)
     base = ctypes.addressof(ctypes.c_char.from_buffer(memory))
     opts = Options(buffer_size=64 << 10, num_buffers=2, request_size=64 << 10)  # 2048 passes: time to stop it

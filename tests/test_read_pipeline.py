@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import fastpersist
+from conftest import evicted
 from fastpersist import _engine, read_pipeline
 from fastpersist.options import Options
 from fastpersist.patching import original_load, original_save
@@ -126,16 +127,6 @@ def test_read_threads_default_and_option():
         Options(read_threads=-1)
 
 
-def _evicted(path) -> bool:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        from fastpersist.fileio import cached_fraction
-
-        return (cached_fraction(fd, os.fstat(fd).st_size) or 0.0) < 0.5
-    finally:
-        os.close(fd)
 
 
 def test_the_source_decides_the_mode(folder, page_cache_reads, monkeypatch):
@@ -148,7 +139,7 @@ def test_the_source_decides_the_mode(folder, page_cache_reads, monkeypatch):
     try:
         os.pread(fd, 80 * MiB, 0)
         assert read_pipeline.through_page_cache(fd, 80 * MiB, options)
-        if not _evicted(path):
+        if not evicted(path):
             pytest.skip("this filesystem keeps the file in the page cache")
         assert not read_pipeline.through_page_cache(fd, 80 * MiB, options)
         _engine.clear_pool()
@@ -182,7 +173,7 @@ def test_every_load_reads_through_the_pipeline(folder, monkeypatch, page_cache_r
     state = _state()
     state["tied"] = state["emb"]
     original_save()(state, folder / "s.pt")
-    if not cached and not _evicted(folder / "s.pt"):
+    if not cached and not evicted(folder / "s.pt"):
         pytest.skip("this filesystem keeps the file in the page cache")
     modes = _modes(monkeypatch)
     _engine.release(_engine.acquire(fastpersist.options.current_options()))  # an engine idle: no small-file rule
@@ -196,7 +187,7 @@ def test_every_load_reads_through_the_pipeline(folder, monkeypatch, page_cache_r
     target = {"emb": torch.zeros(3000, 1024), "tied": torch.zeros(3000, 1024), "b": torch.zeros(7),
               "h": torch.zeros(512, 512, dtype=torch.half), "step": 0}
     if not cached:
-        _evicted(folder / "s.pt")
+        evicted(folder / "s.pt")
     fastpersist.load_into(target, folder / "s.pt", verify=True)
     for k in ("emb", "tied", "b", "h"):
         assert torch.equal(target[k], theirs[k])
@@ -208,7 +199,7 @@ def test_a_partly_cached_file_is_read_both_ways_at_once(folder, page_cache_reads
     size = 48 * MiB + 1000
     path = _file(folder, size, 5)
     data = path.read_bytes()
-    if not _evicted(path):
+    if not evicted(path):
         pytest.skip("this filesystem keeps the file in the page cache")
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -255,7 +246,7 @@ def test_safetensors_loads_read_through_the_pipeline(folder, monkeypatch, page_c
     fst.save_file(tensors, path)  # written with O_DIRECT: not in the page cache
     if cached:
         path.read_bytes()
-    elif not _evicted(path):
+    elif not evicted(path):
         pytest.skip("this filesystem keeps the file in the page cache")
     modes = _modes(monkeypatch)
     _engine.release(_engine.acquire(fastpersist.options.current_options()))
@@ -264,7 +255,7 @@ def test_safetensors_loads_read_through_the_pipeline(folder, monkeypatch, page_c
     # span in, which the page-cache readers may take
     assert modes == [] if cached else "engine" in modes
     if not cached:
-        _evicted(path)
+        evicted(path)
     modes.clear()
     with fst.safe_open(path, "pt") as f:
         opened = {name: f.get_slice(name)[...] for name in sorted(f.keys(), reverse=True)}
@@ -312,7 +303,7 @@ def test_a_short_last_span_counts_its_own_pages(folder, page_cache_reads):
     goes to the engine whole (its last span's few cached pages are counted
     against its own length, not MIXED_SPAN's)."""
     path = _file(folder, 3 * read_pipeline.MIXED_SPAN + 300 * 4096)
-    if not _evicted(path):
+    if not evicted(path):
         pytest.skip("this filesystem keeps the file in the page cache")
     fd = os.open(path, os.O_RDONLY)
     try:

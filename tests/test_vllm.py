@@ -18,6 +18,7 @@ import subprocess
 import pytest
 import torch
 
+from fastpersist.bench.common import evict_from_page_cache
 from fastpersist.integrations import vllm as fp_vllm
 from fastpersist.safetensors import SafetensorsFileError
 
@@ -60,12 +61,7 @@ def make_model(folder: pathlib.Path, seed: int, dtype=torch.bfloat16, tie: bool 
 
 def evict(folder: pathlib.Path) -> None:
     for f in folder.iterdir():
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        evict_from_page_cache(str(f))
 
 
 def drive(plan: list, tmp: pathlib.Path, processes: bool = False, env: dict = None) -> tuple:

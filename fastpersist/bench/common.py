@@ -694,6 +694,16 @@ def ratio_interval(reference: Optional[Series], series: Series, confidence: floa
     return values[j - 1], values[n - j], coverage(j)
 
 
+def role_ratios(series: list, s: Series) -> tuple:
+    """(x vanilla, x ceiling) of s: ratio() against the series of the same
+    operation whose role is "vanilla", and "ceiling" (None where none, or s itself)."""
+    out = []
+    for role in ("vanilla", "ceiling"):
+        reference = next((o for o in series if o.operation == s.operation and o.role == role), None)
+        out.append(ratio(reference, s) if reference is not None and reference is not s else None)
+    return tuple(out)
+
+
 def phases_text(phases: dict) -> str:
     return ", ".join(f"{name} {seconds:.3f}" for name, seconds in phases.items())
 

@@ -221,10 +221,7 @@ def run(args) -> int:
         echo()
         rows, lines = [], []
         for s in series:
-            ref = next((o for o in series if o.operation == s.operation and o.role == "vanilla"), None)
-            ceiling = next((o for o in series if o.operation == s.operation and o.role == "ceiling"), None)
-            x_ref = common.ratio(ref, s) if ref is not None and ref is not s else None
-            x_ceiling = common.ratio(ceiling, s) if ceiling is not None and ceiling is not s else None
+            x_ref, x_ceiling = common.role_ratios(series, s)
             rows.append(common.series_row(s, x_ref, x_ceiling))
             lines.append([s.operation, s.mechanism, f"{s.median:.3f}", f"{s.gb_per_s:.2f}", fmt(x_ref), fmt(x_ceiling)])
         for line in common.table(["operation", "mechanism", "median s", "GB/s", "x ref", "x ceiling"], lines,

@@ -161,10 +161,7 @@ def _report(args, workspace, dropper, series: list, nbytes: int, python: str) ->
          "x ceiling: the plain read's time / this time")
     rows, lines = [], []
     for s in series:
-        ref = next((o for o in series if o.operation == s.operation and o.role == "vanilla"), None)
-        ceiling = next((o for o in series if o.operation == s.operation and o.role == "ceiling"), None)
-        x_ref = common.ratio(ref, s) if ref is not None and ref is not s else None
-        x_ceiling = common.ratio(ceiling, s) if ceiling is not None and ceiling is not s else None
+        x_ref, x_ceiling = common.role_ratios(series, s)
         extra = {k: sorted(v)[len(v) // 2] for k, v in s.extra.items()}  # medians
         s.extra = {f"median_{k}": v for k, v in extra.items()}
         rows.append(common.series_row(s, x_ref, x_ceiling))
