@@ -133,19 +133,26 @@ def test_fastpersist_loads_and_reloads_as_vllms_own_loaders(models, tmp_path):
 @needs_vllm
 def test_the_spawned_engine_finds_the_format_and_reports_a_broken_shard(models, tmp_path):
     """With vLLM's engine in its own (spawned) process, as `vllm serve` runs
-    it: the format is there through the entry point alone, and a truncated
-    shard is an error naming it, not a hang or a partial model."""
+    it: the format is there through the entry point alone, in each of two
+    tensor-parallel workers too, and a truncated shard is an error naming
+    it, not a hang or a partial model."""
     broken = make_model(tmp_path / "broken", 5, shard="300KB")
     shard = sorted(broken.glob("*.safetensors"))[1]
     with open(shard, "r+b") as f:
         f.truncate(os.path.getsize(shard) - 1000)
     plan = [{"model": str(models["tied_fp16"]), "load_format": "fastpersist"},
+            {"model": str(models["sharded"]), "load_format": "fastpersist", "tensor_parallel_size": 2},
+            {"model": str(models["sharded"]), "load_format": "safetensors", "tensor_parallel_size": 2},
             {"model": str(broken), "load_format": "fastpersist"}]
     results, log = drive(plan, tmp_path, processes=True)
-    assert "error" not in results[0], results[0]["error"]
+    for r in results[:3]:
+        assert "error" not in r, r["error"]
     assert results[0]["tokens"][0]  # generated through the spawned engine
-    assert "error" in results[1]
-    assert shard.name in log or shard.name in results[1]["error"]
+    # two tensor-parallel workers, each reading every shard and narrowing what it needs, as vLLM's own loader does
+    assert results[1]["tokens"] == results[2]["tokens"]
+    assert "Worker_TP1" in log
+    assert "error" in results[3]
+    assert shard.name in log or shard.name in results[3]["error"]
 
 
 @needs_vllm

@@ -4,7 +4,8 @@ prints one JSON line per case: the greedy tokens of a fixed prompt, after
 loading and after each reload in place, or the error raised.
 
 Usage: python vllm_driver.py PLAN.json  (a list of {"model", "load_format",
-"reloads": [dirs], "dtype"}). vLLM's own log goes to stderr."""
+"reloads": [dirs], "dtype", "extra_config", "tensor_parallel_size"}).
+vLLM's own log goes to stdout and stderr."""
 import gc
 import json
 import os
@@ -31,7 +32,8 @@ def run(case: dict) -> dict:
     try:
         llm = LLM(model=case["model"], load_format=case["load_format"], enforce_eager=True, skip_tokenizer_init=True,
                   max_model_len=128, dtype=case.get("dtype", "auto"),
-                  model_loader_extra_config=case.get("extra_config") or {})
+                  model_loader_extra_config=case.get("extra_config") or {},
+                  tensor_parallel_size=case.get("tensor_parallel_size", 1))
         result["tokens"] = [tokens(llm)]
         for folder in case.get("reloads", []):
             llm.collective_rpc("reload_weights", kwargs={"weights_path": folder, "is_checkpoint_format": True})
