@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import tempfile
 import time
@@ -162,7 +163,7 @@ def _report(args, workspace, dropper, series: list, nbytes: int, python: str) ->
     rows, lines = [], []
     for s in series:
         x_ref, x_ceiling = common.role_ratios(series, s)
-        extra = {k: sorted(v)[len(v) // 2] for k, v in s.extra.items()}  # medians
+        extra = {k: statistics.median(v) for k, v in s.extra.items()}
         s.extra = {f"median_{k}": v for k, v in extra.items()}
         rows.append(common.series_row(s, x_ref, x_ceiling))
         anon = extra.get("anon_growth_bytes")

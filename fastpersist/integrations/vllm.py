@@ -126,7 +126,10 @@ def weights(files: list, read_ahead_mib: int = READ_AHEAD_MIB, log=None, where: 
 
 
 def _safetensors_tensors(path: str, read_ahead_bytes: int, cold_read: str = "mapped"):
-    """(how the file is read, its (name, tensor) pairs in file order)."""
+    """(how the file is read, its (name, tensor) pairs in file order). The
+    file is mapped here, by its descriptor, which is closed before any
+    tensor is handed out; the engine reads it where cold_read says so or
+    where it cannot be mapped that way (no /proc)."""
     from .. import read_pipeline
     from .. import safetensors as fast_st
 
@@ -135,38 +138,27 @@ def _safetensors_tensors(path: str, read_ahead_bytes: int, cold_read: str = "map
         size = os.fstat(fd).st_size
         header = fast_st.Header.read(fd, path, size)  # a sound file, or SafetensorsFileError naming it
         cached = read_pipeline.is_cached(fd, size)
-    except BaseException:
-        os.close(fd)
-        raise
-    if cached:
-        return "mapped (in the page cache)", _mapped_tensors(fd, path, header, size, read_ahead_bytes)
-    if cold_read == "engine":
-        os.close(fd)
-        return "read by the engine", _read_tensors(path, header, read_ahead_bytes)
-    return "mapped, read ahead from the device", _mapped_tensors(fd, path, header, size, read_ahead_bytes,
-                                                                  COLD_READERS)
-
-
-def _mapped_tensors(fd: int, path: str, header, size: int, read_ahead_bytes: int, readers: int = 0):
-    """The file's tensors as safetensors maps them, in file order; with
-    readers (> 0), helper threads read the mapping's pages in ahead of the
-    consumer (MADV_POPULATE_READ: from the device where not cached). Where
-    the file cannot be mapped by its descriptor (no /proc), read_tensors."""
-    import contextlib
-
-    from .. import safetensors as fast_st
-    from ..fileio import prefaulting
-
-    try:
-        mapped = fast_st._mapped_load_file(fd, path, header, size)
+        mapped = None if not cached and cold_read == "engine" else fast_st._mapped_load_file(fd, path, header, size)
     finally:
         os.close(fd)
     if mapped is None:
-        yield from _read_tensors(path, header, read_ahead_bytes)
-        return
+        return "read by the engine", _read_tensors(path, header, read_ahead_bytes)
+    if cached:
+        return "mapped (in the page cache)", _handed_out(header, mapped, 0)
+    return "mapped, read ahead from the device", _handed_out(header, mapped, COLD_READERS)
+
+
+def _handed_out(header, mapped: dict, readers: int):
+    """A mapped file's tensors in file order (the header's entries are);
+    with readers (> 0), helper threads read the mapping's pages in ahead of
+    the consumer (MADV_POPULATE_READ: from the device where not cached)."""
+    import contextlib
+
+    from ..fileio import prefaulting
+
     extents = [(t.data_ptr(), header.entries[name].begin, t.nbytes) for name, t in mapped.items() if t.nbytes]
     with prefaulting(extents, readers, read_only=True) if readers else contextlib.nullcontext():
-        for name in header.entries:  # file order
+        for name in header.entries:
             yield name, mapped.pop(name)
 
 
