@@ -242,7 +242,7 @@ class PullRead:
             raise ValueError(f"{self.path}: bytes asked for outside the part of the file read "
                              f"({self.start}..{self.end})")
         self.open = False
-        copies = _Copies()
+        copies = Copies()
         crcs = [0] * len(pieces) if checksums else None
         copy_threads = _copy_threads()
         held: collections.deque = collections.deque()  # (buffer index, its copies' token), oldest first
@@ -328,15 +328,18 @@ def _host_bytes(address: int, nbytes: int):
     return torch.frombuffer((ctypes.c_ubyte * nbytes).from_address(address), dtype=torch.uint8)
 
 
-class _Copies:
+class Copies:
     """Copies out of engine buffers into storages: CPU targets at once, CUDA
     targets without blocking on a side stream per device. mark() closes the
     copies issued since the last mark: a token that done() and wait() ask
     about; finish() makes each device's current stream wait for them."""
 
-    def __init__(self):
+    def __init__(self, callers_streams: Optional[dict] = None):
         self.streams: dict = {}  # CUDA device -> (side stream, the caller's current stream)
         self.since_mark: set = set()  # CUDA devices copied to since the last mark
+        # {device: stream}: the current streams of the thread that asked for the read, where the copies
+        # run on other threads (whose own current stream is the default one)
+        self.callers_streams = callers_streams
 
     def copy(self, target, source) -> None:
         if target.device.type != "cuda":
@@ -347,7 +350,8 @@ class _Copies:
         device = target.device
         entry = self.streams.get(device)
         if entry is None:
-            current = torch.cuda.current_stream(device)
+            current = self.callers_streams.get(device) if self.callers_streams is not None else None
+            current = torch.cuda.current_stream(device) if current is None else current
             side = torch.cuda.Stream(device)
             side.wait_stream(current)  # the targets were allocated (and maybe written) there
             entry = self.streams[device] = (side, current)
@@ -391,6 +395,81 @@ class _Copies:
         copies out of them are done."""
         for side, _ in self.streams.values():
             side.synchronize()
+
+
+def callers_streams(pieces: list) -> dict:
+    """{device: the calling thread's current stream} for the CUDA devices
+    the pieces' targets are on."""
+    devices = {p.target.device for p in pieces if p.target.device.type == "cuda"}
+    if not devices:
+        return {}
+    import torch
+
+    return {device: torch.cuda.current_stream(device) for device in devices}
+
+
+# ---------------------------------------------------------------------------
+# staging buffers: host memory that page-cache readers fill and copies to a
+# device drain (read_pipeline.read_pieces), page-locked where a target is
+# on a GPU, so that each copy is a DMA that runs while the reader goes on
+
+class StagingBuffers:
+    """The process's staging buffers, kept from one load to the next:
+    page-locking memory (cudaHostAlloc) costs milliseconds per buffer, more
+    than a small file's read. Buffers are kept by (page-locked, size), at
+    most KEEP of them; release() lets them go. In a forked child the
+    parent's are never used or freed: its page-locked memory is not the
+    child's CUDA context's."""
+
+    KEEP = 64
+
+    def __init__(self):
+        import threading
+
+        self._lock = threading.Lock()
+        self._free: dict = {}  # (pinned, nbytes) -> [uint8 tensor]
+        self._pid = os.getpid()
+        self._forked_away: list = []  # a forked child's: the parent's buffers, never freed there
+
+    def take(self, count: int, nbytes: int, pinned: bool) -> list:
+        import torch
+
+        with self._lock:
+            self._after_fork()
+            kept = self._free.get((pinned, nbytes), [])
+            taken = [kept.pop() for _ in range(min(count, len(kept)))]
+        try:
+            while len(taken) < count:
+                taken.append(torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned))
+        except BaseException:
+            self.give(taken, nbytes, pinned)
+            raise
+        return taken
+
+    def give(self, buffers: list, nbytes: int, pinned: bool) -> None:
+        with self._lock:
+            self._after_fork()
+            kept = self._free.setdefault((pinned, nbytes), [])
+            room = self.KEEP - sum(len(v) for v in self._free.values())
+            kept.extend(buffers[:max(0, room)])
+
+    def kept_bytes(self) -> int:
+        with self._lock:
+            self._after_fork()
+            return sum(nbytes * len(v) for (_, nbytes), v in self._free.items())
+
+    def release(self) -> None:
+        with self._lock:
+            self._after_fork()
+            self._free = {}
+
+    def _after_fork(self) -> None:
+        if self._pid != os.getpid():
+            self._forked_away.append(self._free)
+            self._free, self._pid = {}, os.getpid()
+
+
+staging_buffers = StagingBuffers()
 
 
 def write_storage(source, sink, crc: Optional[int], copiers: Optional[dict] = None) -> Optional[int]:

@@ -34,7 +34,6 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple, Optional
 
 from . import _engine, _torch_api, device_io, gc_pause, load_memory, read_pipeline
-from .load_memory import release_load_memory
 from .fileio import reading_engine, same_file
 from .helper_threads import HelperThreads, StopSignal
 from .options import Options, current_options
@@ -317,10 +316,7 @@ def _load_through_buffers(image: "_CheckpointImage", map_location, weights_only:
     reader = image.reader(kind=_DeviceTargetReader)
     result = _unpickle(reader, image.fd, restore, weights_only, pickle_module, load_args, pickle_load_args)
     try:
-        with read_pipeline.engine_for(image.fd, image.path, image.size, image.options) as (engine, direct_fd):
-            crcs = device_io.read_into(engine, direct_fd, image.fd, image.path, pieces, checksums=verify,
-                                      transfer=image.options.transfer,
-                                      allow_compat=image.options.allow_gds_compat)
+        crcs = read_pipeline.read_pieces(image.fd, image.path, image.size, image.options, pieces, verify)
     except EOFError:
         raise CheckpointError(f"{image.path}: the file ended before its {image.size} bytes were read "
                               "(did it shrink while being read?)") from None
@@ -1440,10 +1436,7 @@ class _Plan:
         checksums."""
         try:
             if through_buffers:
-                with read_pipeline.engine_for(image.fd, image.path, image.size, image.options) as (engine, direct_fd):
-                    return device_io.read_into(engine, direct_fd, image.fd, image.path, extents, checksums,
-                                              transfer=image.options.transfer,
-                                              allow_compat=image.options.allow_gds_compat)
+                return read_pipeline.read_pieces(image.fd, image.path, image.size, image.options, extents, checksums)
             if image.view is not None:  # the file is in memory (see _fill)
                 return image.copy_extents(extents, checksums)
             return image.read_extents(extents, checksums, fresh=True)  # a model built on meta: fresh memory
@@ -1589,6 +1582,15 @@ def _names_within(paths: list, names: "_KeyNames") -> list:
     return shown
 
 
+
+
+def release_load_memory() -> None:
+    """Gives back now what loads keep for the next one: the memory of freed
+    fastpersist.load results (kept at most ``load_memory_seconds``) and the
+    staging buffers of loads to a GPU from the page cache (page-locked,
+    at most the engine's ``buffer_size * num_buffers`` per concurrent load)."""
+    load_memory.release_load_memory()
+    device_io.staging_buffers.release()
 
 
 __all__ = ["IncompatibleKeys", "load", "load_into", "release_load_memory"]

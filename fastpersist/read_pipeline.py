@@ -30,7 +30,7 @@ import os
 import threading
 from typing import Optional
 
-from . import _engine
+from . import _engine, device_io
 from .fileio import _libc, _usable_cpus, cached_fraction, prefaulting, read_extents as engine_read_extents
 from .fileio import reading_engine, resident_pages
 from .helper_threads import HelperThreads, ReadStopped, StopSignal
@@ -142,6 +142,163 @@ def engine_for(fd: int, path: str, size: int, options: Options, offset: int = 0,
         options = options.replace(direct=False)
     with reading_engine(path, options, size if nbytes is None else nbytes, fd) as pair:
         yield pair
+
+
+def read_pieces(fd: int, path: str, size: int, options: Options, pieces: list, checksums: bool = False,
+                offset: int = 0, nbytes: Optional[int] = None, stop: Optional[StopSignal] = None) -> dict:
+    """Reads device_io pieces (targets on a GPU, or any device) of the open
+    file fd: bytes [offset, offset + nbytes) of it hold them all. Where
+    through_page_cache says the page cache is the source, read_threads
+    readers pread runs of the pieces into staging buffers (page-locked where
+    a target is on a GPU), each copying its buffer to the targets on a
+    stream of its own while it reads into its other buffer; otherwise the
+    engine's buffers (device_io.read_into: O_DIRECT), as where GPUDirect
+    Storage takes a piece (its transfer option decides that; "gds" raises
+    where GDS cannot run). Returns {(offset,
+    nbytes): crc} with checksums, else {}; EOFError where the file ended
+    early. Every copy is done when it returns; the targets' current streams
+    are the caller's. No reader outlives the call."""
+    pieces = [p for p in pieces if p.nbytes]
+    if not pieces:
+        return {}
+    if through_page_cache(fd, size, options, offset, nbytes) and \
+            not device_io.takes_direct(pieces, options.transfer, options.allow_gds_compat):
+        return _staged_read(fd, path, pieces, read_threads(options), _stage_bytes(options, pieces),
+                            checksums, stop)
+    with engine_for(fd, path, size, options, offset, nbytes) as (engine, direct_fd):
+        return device_io.read_into(engine, direct_fd, fd, path, pieces, checksums=checksums, transfer=options.transfer,
+                                   allow_compat=options.allow_gds_compat)
+
+
+def _stage_bytes(options: Options, pieces: list) -> int:
+    """One staging buffer's size: the engine's host memory (buffer_size *
+    num_buffers) shared among the readers' two buffers each, a power of two
+    from 1 MiB up to buffer_size, no larger than the read needs."""
+    budget = options.buffer_size * options.num_buffers // (2 * read_threads(options))
+    size = 1 << 20
+    while size * 2 <= min(budget, options.buffer_size):
+        size *= 2
+    total = sum(p.nbytes for p in pieces)
+    while size > 1 << 20 and size // 2 >= total:
+        size //= 2
+    return size
+
+
+def _stage_chunks(pieces: list, stage_bytes: int) -> list:
+    """The staged read's work, in file order: (lo, hi, parts), one pread of
+    bytes [lo, hi) (at most stage_bytes; pieces less than GATHER_GAP apart
+    share one, the gap read too), then each part (key, a, b) copied: bytes
+    [a, b) of the pieces keyed (offset, nbytes) (tied tensors: one read,
+    a copy to each)."""
+    keys = sorted({(p.offset, p.nbytes) for p in pieces})
+    chunks: list = []
+    lo = hi = -1
+    parts: list = []
+    for key in keys:
+        at, end = key[0], key[0] + key[1]
+        while at < end:
+            if lo < 0 or at < lo or at > hi + GATHER_GAP or at >= lo + stage_bytes:
+                if lo >= 0:
+                    chunks.append((lo, hi, parts))
+                lo, hi, parts = at, at, []
+            stop = min(end, lo + stage_bytes)
+            parts.append((key, at - key[0], stop - key[0]))
+            hi, at = max(hi, stop), stop
+    if lo >= 0:
+        chunks.append((lo, hi, parts))
+    return chunks
+
+
+def _staged_read(fd: int, path: str, pieces: list, threads: int, stage_bytes: int, checksums: bool,
+                 stop: Optional[StopSignal] = None) -> dict:
+    """read_pieces through the page cache (see there)."""
+    chunks = _stage_chunks(pieces, stage_bytes)
+    targets: dict = {}
+    for p in pieces:
+        targets.setdefault((p.offset, p.nbytes), []).append(p)
+    pinned = any(p.target.device.type == "cuda" for p in pieces)
+    streams = device_io.callers_streams(pieces)
+    threads = max(1, min(threads, len(chunks)))
+    sums: dict = {}  # (offset, nbytes) -> [(a, b - a, crc of bytes [a, b))]
+    state = _Shared(False)
+    work = iter(chunks)
+
+    def run(stop: StopSignal) -> None:
+        copies = device_io.Copies(streams)
+        buffers = device_io.staging_buffers.take(2, stage_bytes, pinned)
+        tokens: list = [None, None]
+        done = False
+        try:
+            for k, (lo, hi, parts) in enumerate(work):  # a list iterator's next is atomic: one thread per chunk
+                if state.error is not None or stop.is_set():
+                    break
+                slot = k % 2
+                copies.wait(tokens[slot])  # its last copies have left it
+                staged = buffers[slot]
+                address = staged.data_ptr()
+                _pread_into(fd, path, address, lo, hi - lo)
+                for key, a, b in parts:
+                    at = key[0] + a - lo
+                    for piece in targets[key]:
+                        if piece.address is not None:
+                            _engine.copy_many([(address + at, piece.address + a, b - a)])
+                        else:
+                            copies.copy(piece.target[a:b], staged[at:at + b - a])
+                    if checksums:
+                        sums.setdefault(key, []).append((a, b - a, _engine.crc32_at(address + at, b - a)))
+                tokens[slot] = copies.mark()
+            for token in tokens:
+                copies.wait(token)
+            copies.finish()
+            done = True
+        finally:
+            if not done:
+                copies.abandon()  # the buffers go back only once no copy reads them
+            device_io.staging_buffers.give(buffers, stage_bytes, pinned)
+
+    def helper(stop: StopSignal) -> None:
+        try:
+            run(stop)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            state.fail(exc)
+
+    with HelperThreads(stop) as helpers:
+        for _ in range(threads - 1):
+            if not helpers.start(helper, helpers.stop):
+                break
+        run(helpers.stop)
+    if state.error is not None:
+        raise state.error
+    if stop is not None and stop.is_set():
+        raise ReadStopped(path)
+    if not checksums:
+        return {}
+    crcs = {}
+    for key, parts in sums.items():
+        parts.sort()
+        crc = parts[0][2]
+        for _, n, part_crc in parts[1:]:
+            crc = _engine.crc32_combine(crc, part_crc, n)
+        crcs[key] = crc
+    return crcs
+
+
+def _pread_into(fd: int, path: str, address: int, offset: int, nbytes: int) -> None:
+    """nbytes of the file at offset into memory at address; EOFError where
+    the file ends first, OSError naming the path and offset."""
+    view = memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B")
+    done = 0
+    try:
+        while done < nbytes:
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if got == 0:
+                raise EOFError(path)
+            done += got
+    except OSError as exc:
+        raise OSError(exc.errno, f"{os.strerror(exc.errno)} (fastpersist page-cache read at offset "
+                                 f"{offset + done})", path) from exc
+    finally:
+        view.release()
 
 
 def _engine_read(fd: int, path: str, size: int, options: Options, extents, checksums: bool, fresh: bool,
@@ -403,5 +560,5 @@ def _populate(run: list, state: _Shared) -> None:
             return
 
 
-__all__ = ["CACHED_ENOUGH", "SMALL_FILE_BYTES", "engine_for", "is_cached", "pread_extents", "read_extents", "read_threads",
-           "through_page_cache"]
+__all__ = ["CACHED_ENOUGH", "SMALL_FILE_BYTES", "engine_for", "is_cached", "pread_extents", "read_extents",
+           "read_pieces", "read_threads", "through_page_cache"]

@@ -748,9 +748,7 @@ def load_file(filename, device="cpu", *, backend: Optional[str] = None, verify: 
         pieces = [device_io.Piece(header.data_start + e.begin, e.nbytes, device_io.byte_view(out[k].untyped_storage()))
                   for k, e in header.entries.items() if e.nbytes]
         try:
-            with read_pipeline.engine_for(fd, path, size, opts) as (engine, direct_fd):
-                device_io.read_into(engine, direct_fd, fd, path, pieces, transfer=opts.transfer,
-                                    allow_compat=opts.allow_gds_compat)
+            read_pipeline.read_pieces(fd, path, size, opts, pieces)
         except EOFError:
             raise SafetensorsFileError(f"{path}: the file ended before its {size} bytes were read (did it shrink "
                                        "while being read?)") from None
@@ -1042,10 +1040,8 @@ class safe_open:  # noqa: N801 - safetensors' name
                 return out
             out = torch.empty(shape, dtype=entry.dtype, device=self.device)
             piece = device_io.Piece(offset, nbytes, device_io.byte_view(out.untyped_storage()))
-            with self._descriptor() as fd, \
-                    read_pipeline.engine_for(fd, self.path, self._size, opts, offset, nbytes) as (engine, direct_fd):
-                device_io.read_into(engine, direct_fd, fd, self.path, [piece], transfer=opts.transfer,
-                                    allow_compat=opts.allow_gds_compat)
+            with self._descriptor() as fd:
+                read_pipeline.read_pieces(fd, self.path, self._size, opts, [piece], offset=offset, nbytes=nbytes)
             return out
         except EOFError:
             raise SafetensorsFileError(f"{self.path}: the file ended inside tensor {entry.name!r}") from None

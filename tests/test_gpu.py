@@ -6,13 +6,16 @@ device-to-host copies on side streams, registered buffers, host memory
 bounded by the buffers, ordering against kernels still queued."""
 import collections
 import os
+import pathlib
+import shutil
+import tempfile
 import threading
 
 import pytest
 import torch
 
 import fastpersist
-from fastpersist import _engine, device_io
+from fastpersist import _engine, device_io, read_pipeline
 from fastpersist.options import Options
 
 from conftest import fork_child
@@ -60,11 +63,192 @@ def test_loads_to_the_gpu_take_the_buffers_not_a_host_copy(tmp_path, monkeypatch
     path = tmp_path / "g.pt"
     fastpersist.save(mixed_state(), path)
     calls = []
-    real = device_io.read_into
-    monkeypatch.setattr(device_io, "read_into", lambda *a, **k: (calls.append(a[4]), real(*a, **k))[1])
+    real = read_pipeline.read_pieces
+    monkeypatch.setattr(read_pipeline, "read_pieces", lambda *a, **k: (calls.append(a[4]), real(*a, **k))[1])
     out = fastpersist.load(path, map_location="cuda")
     assert calls and all(p.target.device.type == "cuda" for p in calls[0])
     assert out["w"].is_cuda and out["cpu"].is_cuda
+
+
+# ---------------------------------------------------------------------------
+# loads to the GPU from the page cache and tmpfs: staged through page-locked
+# buffers by parallel readers, copied on each reader's stream
+
+
+@pytest.fixture
+def ways(monkeypatch):
+    """Which way each read_pieces went: "staged" or "engine"."""
+    taken = []
+    staged, engine = read_pipeline._staged_read, device_io.read_into
+    monkeypatch.setattr(read_pipeline, "_staged_read", lambda *a, **k: (taken.append("staged"), staged(*a, **k))[1])
+    monkeypatch.setattr(device_io, "read_into", lambda *a, **k: (taken.append("engine"), engine(*a, **k))[1])
+    return taken
+
+
+def _big_state(seed=0, count=24):
+    g = torch.Generator().manual_seed(seed)
+    return {f"t{i}": torch.randn(1 << 20 if i % 3 else 37, generator=g).to("cuda", torch.bfloat16 if i % 2 else
+                                                                              torch.float32) for i in range(count)}
+
+
+def _evict(path) -> bool:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        from fastpersist.fileio import cached_fraction
+
+        return (cached_fraction(fd, os.fstat(fd).st_size) or 0.0) < 0.5
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("where", ["page cache", "tmpfs", "cold", "partly cached"])
+def test_every_load_to_the_gpu_in_every_mode(tmp_path, ways, where):
+    """fastpersist.load, load_into, safetensors load_file and safe_open onto
+    the GPU, equal to what was saved: staged from the page cache and tmpfs,
+    the engine's from the disk (a partly cached file: the engine's too)."""
+    from fastpersist import safetensors as fst
+
+    folder = tmp_path
+    if where == "tmpfs":
+        if not os.path.isdir("/dev/shm"):
+            pytest.skip("no /dev/shm")
+        folder = pathlib.Path(tempfile.mkdtemp(dir="/dev/shm"))
+    try:
+        state = _big_state()
+        fastpersist.save(state, folder / "s.pt")
+        fst.save_file(state, folder / "s.safetensors")
+        _engine.release(_engine.acquire(Options()))  # an engine idle: the choice is the source's alone
+        for name in ("s.pt", "s.safetensors"):
+            if where in ("cold", "partly cached") and not _evict(folder / name):
+                pytest.skip("this filesystem keeps files in the page cache")
+            if where == "partly cached":
+                with open(folder / name, "rb") as f:
+                    f.read(os.path.getsize(folder / name) // 3)
+        expected = "staged" if where in ("page cache", "tmpfs") else "engine"
+
+        def check(got):
+            assert got.keys() == state.keys()
+            for k, v in state.items():
+                assert got[k].is_cuda and got[k].dtype == v.dtype and torch.equal(got[k], v), k
+
+        check(fastpersist.load(folder / "s.pt", map_location="cuda"))
+        assert ways[-1] == expected, ways
+        target = {k: torch.empty_like(v) for k, v in state.items()}
+        fastpersist.load_into(target, folder / "s.pt")
+        check(target)
+        check(fst.load_file(folder / "s.safetensors", device="cuda"))
+        assert ways[-1] == expected, ways
+        with fst.safe_open(folder / "s.safetensors", framework="pt", device="cuda") as f:
+            check({k: f.get_tensor(k) for k in f.keys()})
+    finally:
+        if folder != tmp_path:
+            shutil.rmtree(folder)
+
+
+def test_a_staged_load_waits_for_kernels_still_queued_on_the_callers_stream(tmp_path):
+    """Targets allocated on the caller's (non-default) stream, written there
+    by a kernel still queued: the staged copies run after it; work queued
+    after the load sees the bytes."""
+    state = _big_state(1, 8)
+    fastpersist.save(state, tmp_path / "s.pt")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        target = {k: torch.zeros_like(v) for k, v in state.items()}
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of a busy kernel, then a write the load must come after
+        for v in target.values():
+            v.fill_(3)
+        fastpersist.load_into(target, tmp_path / "s.pt")
+        sums = [v.float().sum() for v in target.values()]
+    torch.cuda.synchronize()
+    assert all(torch.equal(target[k], state[k]) for k in state)
+    assert all(s.item() == state[k].float().sum().item() for s, k in zip(sums, state))
+
+
+def test_a_staged_reader_failing_mid_read_raises_once_and_returns_every_buffer(tmp_path, monkeypatch):
+    state = _big_state(2)
+    fastpersist.save(state, tmp_path / "s.pt")
+    real = read_pipeline._pread_into
+    outstanding = [0]
+    pool = device_io.staging_buffers
+    take, give = pool.take, pool.give
+    monkeypatch.setattr(pool, "take", lambda n, *a: (outstanding.__setitem__(0, outstanding[0] + n), take(n, *a))[1])
+    monkeypatch.setattr(pool, "give", lambda b, *a: (outstanding.__setitem__(0, outstanding[0] - len(b)),
+                                                     give(b, *a))[1])
+    calls = []
+
+    def failing(fd, path, address, offset, nbytes):
+        calls.append(offset)
+        if len(calls) == 3:
+            raise OSError(5, "Input/output error (injected)", path)
+        return real(fd, path, address, offset, nbytes)
+
+    monkeypatch.setattr(read_pipeline, "_pread_into", failing)
+    with pytest.raises(OSError, match="injected"):
+        fastpersist.load(tmp_path / "s.pt", map_location="cuda")
+    assert outstanding == [0]
+    monkeypatch.setattr(read_pipeline, "_pread_into", real)
+    got = fastpersist.load(tmp_path / "s.pt", map_location="cuda")  # the pool and streams still serve
+    assert all(torch.equal(got[k], state[k]) for k in state)
+
+
+def test_staging_buffers_are_page_locked_and_bounded_by_the_engines(tmp_path):
+    device_io.staging_buffers.release()
+    state = _big_state(3)
+    fastpersist.save(state, tmp_path / "s.pt")
+    options = Options(**BUFFERS)
+    fastpersist.patch(**BUFFERS)
+    try:
+        fastpersist.load(tmp_path / "s.pt", map_location="cuda")
+    finally:
+        fastpersist.unpatch()
+    kept = device_io.staging_buffers.kept_bytes()
+    assert 0 < kept <= options.buffer_size * options.num_buffers
+    for (pinned, _), buffers in device_io.staging_buffers._free.items():
+        assert pinned and all(b.is_pinned() for b in buffers)
+
+
+def test_a_forked_child_leaves_the_parents_staging_buffers_alone(tmp_path):
+    fastpersist.save(_big_state(4), tmp_path / "s.pt")
+    fastpersist.load(tmp_path / "s.pt", map_location="cuda")
+    assert device_io.staging_buffers.kept_bytes()
+
+    def child():
+        torch.set_num_threads(1)
+        assert device_io.staging_buffers.kept_bytes() == 0  # the parent's are not the child's
+        got = fastpersist.load(tmp_path / "s.pt", map_location="cpu")  # the child's own reads still run
+        assert len(got) == 24
+
+    assert os.waitpid(fork_child(child), 0)[1] == 0
+    assert device_io.staging_buffers.kept_bytes()
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_the_vllm_iterator_onto_the_gpu_gives_every_tensor(tmp_path, cached):
+    """fastpersist's vLLM load format on a GPU (its iterator, without vLLM:
+    vLLM's GPU build cannot be brought here): each shard's tensors onto
+    cuda, window by window, equal tensor by tensor to safetensors' own."""
+    st = pytest.importorskip("safetensors.torch")
+    from fastpersist.integrations import vllm as fp_vllm
+
+    state = {k: v.cpu() for k, v in _big_state(5, 40).items()}
+    for i, names in enumerate((list(state)[:25], list(state)[25:])):
+        st.save_file({k: state[k] for k in names}, str(tmp_path / f"model-{i + 1:05d}-of-00002.safetensors"))
+    files = fp_vllm.weight_files(str(tmp_path))
+    _engine.release(_engine.acquire(Options()))
+    if not cached and not all(_evict(f) for f in files):
+        pytest.skip("this filesystem keeps files in the page cache")
+    logged = []
+    got = {}
+    for name, tensor in fp_vllm.weights(files, read_ahead_mib=4, log=lambda m, *a: logged.append(m % a),
+                                        device=torch.device("cuda")):
+        assert tensor.is_cuda, name
+        got[name] = tensor
+    assert list(got) == list(state)
+    for k, v in state.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k].cpu(), v), k
+    assert all(("staged" if cached else "engine") in line for line in logged), logged
 
 
 def test_files_saved_from_the_gpu_are_torchs(tmp_path):

@@ -519,20 +519,20 @@ def test_a_device_read_keeps_its_own_descriptor_while_another_thread_closes_the_
 
 def test_the_device_read_path_reads_through_its_own_descriptor(tmp_path, monkeypatch):
     """safe_open's read onto a device (stood in for by "meta", with the
-    engine's device read replaced) gets a descriptor of its own: closing the
+    pipeline's device read replaced) gets a descriptor of its own: closing the
     file meanwhile leaves it reading the file."""
-    from fastpersist import device_io
+    from fastpersist import read_pipeline
 
     path = tmp_path / "d.safetensors"
     fst.save_file({"t": torch.arange(1024, dtype=torch.int32)}, path)
     data = path.read_bytes()
     seen = []
 
-    def read_into(engine, direct_fd, fd, name, pieces, **kwargs):
+    def read_pieces(fd, name, size, options, pieces, *args, **kwargs):
         f.close()  # as another thread would, mid-read
         seen.append(os.pread(fd, len(data), 0))
 
-    monkeypatch.setattr(device_io, "read_into", read_into)
+    monkeypatch.setattr(read_pipeline, "read_pieces", read_pieces)
     f = fst.safe_open(path)
     f.device = torch.device("meta")  # the device branch of _read, no GPU needed
     f.get_tensor("t")

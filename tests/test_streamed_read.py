@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import fastpersist
-from fastpersist import _engine, _torch_api, device_io
+from fastpersist import _engine, _torch_api, device_io, read_pipeline
 from fastpersist.fileio import reading_engine
 from fastpersist.options import Options
 
@@ -37,11 +37,19 @@ def data_file(tmp_path):
     os.close(fd)
 
 
-@pytest.fixture
-def through_buffers(monkeypatch):
-    """Every fastpersist.load and load_into reads through the pull interface; returns its calls."""
+@pytest.fixture(params=["engine", "staged"])
+def through_buffers(monkeypatch, request):
+    """Every fastpersist.load and load_into reads as a load to a GPU does
+    (device_io pieces, read_pipeline.read_pieces), with the source taken as
+    the device (the engine's pull interface) or as the page cache (staged
+    through host buffers by parallel readers); returns the reads' piece counts."""
     monkeypatch.setattr(load_module, "STREAM_LOADS", True)
     calls = []
+    from_page_cache = request.param == "staged"
+    monkeypatch.setattr(read_pipeline, "through_page_cache", lambda *a, **k: from_page_cache)
+    staged_read = read_pipeline._staged_read
+    monkeypatch.setattr(read_pipeline, "_staged_read",
+                        lambda fd, path, pieces, *a, **k: (calls.append(len(pieces)), staged_read(fd, path, pieces, *a, **k))[1])
     real, deliver, inside = device_io.read_into, device_io.PullRead.deliver, []
 
     def read_into(*args, **kwargs):
@@ -242,7 +250,7 @@ def test_load_through_buffers_keeps_storages_shared(tmp_path, through_buffers):
     assert out["tied"].data_ptr() == out["w"].data_ptr()
     assert out["view"].untyped_storage().data_ptr() == out["w"].untyped_storage().data_ptr()
     assert torch.equal(out["view"], w[3:5, 1:7])
-    assert through_buffers == [2]  # one storage for w, its tie and its view; one for the empty tensor
+    assert through_buffers == [1]  # one storage for w, its tie and its view (the empty tensor reads nothing)
 
 
 def test_load_through_buffers_verifies(tmp_path, through_buffers):
@@ -260,13 +268,13 @@ def test_load_through_buffers_of_a_truncated_file(tmp_path, through_buffers, mon
     """The file shrinking after its index was read: a clear error, not zeros."""
     path = tmp_path / "t.pt"
     torch.save({"a": torch.randn(300_000)}, path)
-    real = device_io.read_into
+    real = read_pipeline.read_pieces
 
-    def shrink_first(engine, direct_fd, fd, name, pieces, checksums=False, **kwargs):
+    def shrink_first(*args, **kwargs):
         os.truncate(path, 600_000)
-        return real(engine, direct_fd, fd, name, pieces, checksums, **kwargs)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(device_io, "read_into", shrink_first)
+    monkeypatch.setattr(read_pipeline, "read_pieces", shrink_first)
     with pytest.raises(fastpersist.CheckpointError, match="ended before"):
         fastpersist.load(path)
 

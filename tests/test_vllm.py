@@ -18,8 +18,10 @@ import subprocess
 import pytest
 import torch
 
+from fastpersist import _engine
 from fastpersist.bench.common import evict_from_page_cache
 from fastpersist.integrations import vllm as fp_vllm
+from fastpersist.options import Options
 from fastpersist.safetensors import SafetensorsFileError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -207,6 +209,44 @@ def test_the_iterator_gives_every_tensor_as_safetensors_does(models, monkeypatch
         # by the engine, the others as the page cache then says)
         assert len(logged) == len(files) and all(mode in line for line in (logged if cached else logged[:1])), logged
         del got  # its mappings, before the pages are dropped
+
+
+def test_the_device_iterator_reads_window_by_window(models, page_cache_reads):
+    """What a GPU's vLLM loads through (weights(..., device=cuda)): windows
+    of tensors allocated on the device and filled by read_pipeline.read_pieces,
+    staged from the page cache or read by the engine. Driven here with CPU
+    targets (the same code, a copy by address in place of the device copy);
+    onto a GPU in tests/test_gpu.py."""
+    from safetensors.torch import load_file
+
+    files = fp_vllm.weight_files(str(models["sharded"]))
+    path = max(files, key=lambda f: len(fp_vllm._header(f).entries))
+    expected = {k: v.clone() for k, v in load_file(path).items()}
+    windows = list(fp_vllm._windows(fp_vllm._header(path), 40 << 10))
+    assert len(windows) > 2 and [n for w in windows for n in w] == list(expected)
+    for cached in (True, False):
+        if not cached:
+            evict(models["sharded"])
+            if _cached_fraction(path) > 0.5:
+                pytest.skip("this filesystem keeps the files in the page cache")
+            _engine.release(_engine.acquire(Options()))  # an engine idle: a small file is the engine's then
+        mode, tensors = fp_vllm._device_tensors(path, torch.device("cpu"), 40 << 10)
+        assert ("staged" in mode) == cached, mode
+        got = dict(tensors)
+        assert got.keys() == expected.keys()
+        for name, tensor in got.items():
+            assert tensor.dtype == expected[name].dtype and torch.equal(tensor, expected[name]), name
+
+
+def test_the_device_iterator_names_a_shard_that_ends_early(tmp_path):
+    folder = make_model(tmp_path / "m", 8)
+    (path,) = fp_vllm.weight_files(str(folder))
+    _, tensors = fp_vllm._device_tensors(path, torch.device("cpu"), 64 << 10)
+    first = next(tensors)
+    os.truncate(path, os.path.getsize(path) - 1000)
+    with pytest.raises(SafetensorsFileError, match="ended before"):
+        list(tensors)
+    assert first[1].numel()
 
 
 def _cached_fraction(path) -> float:

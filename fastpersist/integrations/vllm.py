@@ -99,16 +99,23 @@ def _natural(name: str) -> list:
 
 
 def weights(files: list, read_ahead_mib: int = READ_AHEAD_MIB, log=None, where: Optional[list] = None,
-            cold_read: str = "mapped") -> Iterator:
-    """(name, CPU tensor) of every tensor of the files, file after file and
-    in file order within each; log(message, *args), where given, is told
-    how each file was read; where, a list, is set to [file, name] of the
-    tensor handed out last (for the consumer's errors); cold_read: how a
-    shard not in the page cache is read ("mapped" or "engine")."""
+            cold_read: str = "mapped", device=None) -> Iterator:
+    """(name, tensor) of every tensor of the files, file after file and in
+    file order within each; log(message, *args), where given, is told how
+    each file was read; where, a list, is set to [file, name] of the tensor
+    handed out last (for the consumer's errors); cold_read: how a shard not
+    in the page cache is read ("mapped" or "engine").
+
+    device: a GPU (a torch.device) puts safetensors shards' tensors there,
+    read_ahead_mib of them at a time (read_pipeline.read_pieces: staged
+    through page-locked buffers by parallel readers where the shard is in
+    the page cache, the engine's buffers where not); else CPU tensors."""
     for path in files:
         started, nbytes, mode = time.perf_counter(), os.path.getsize(path), None
         try:
-            if path.endswith(".safetensors"):
+            if path.endswith(".safetensors") and device is not None and device.type != "cpu":
+                mode, tensors = _device_tensors(path, device, read_ahead_mib << 20)
+            elif path.endswith(".safetensors"):
                 mode, tensors = _safetensors_tensors(path, read_ahead_mib << 20, cold_read)
             else:
                 mode, tensors = "fastpersist.load", _torch_file_tensors(path)
@@ -146,6 +153,81 @@ def _safetensors_tensors(path: str, read_ahead_bytes: int, cold_read: str = "map
     if cached:
         return "mapped (in the page cache)", _handed_out(header, mapped, 0)
     return "mapped, read ahead from the device", _handed_out(header, mapped, COLD_READERS)
+
+
+def _device_tensors(path: str, device, window_bytes: int):
+    """(how the file is read, its (name, tensor) pairs in file order, on
+    device). The tensors are read a window at a time (runs of tensors of at
+    most window_bytes; a larger one alone): each window's tensors are
+    allocated on the device and filled by one read_pipeline.read_pieces,
+    then handed out; the consumer's copies out of them run on its stream,
+    and their memory goes back to the device's allocator as it drops them.
+    Device memory: a window beyond the model's."""
+    import torch
+
+    from .. import device_io, read_pipeline
+    from .. import safetensors as fast_st
+    from ..options import current_options
+
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        header = fast_st.Header.read(fd, path, size)
+        options = current_options()
+        staged = read_pipeline.through_page_cache(fd, size, options)
+    except BaseException:
+        os.close(fd)
+        raise
+    mode = f"onto {device}, " + ("staged through page-locked buffers (in the page cache)" if staged else
+                                 "read by the engine (not in the page cache)")
+
+    def tensors():
+        try:
+            for window in _windows(header, window_bytes):
+                out = {name: torch.empty(header.entries[name].shape, dtype=header.entries[name].dtype,
+                                         device=device) for name in window}
+                pieces = [device_io.Piece(header.data_start + header.entries[name].begin,
+                                          header.entries[name].nbytes, device_io.byte_view(out[name].untyped_storage()))
+                          for name in window if header.entries[name].nbytes]
+                if pieces:
+                    lo = min(p.offset for p in pieces)
+                    hi = max(p.offset + p.nbytes for p in pieces)
+                    try:
+                        read_pipeline.read_pieces(fd, path, size, options, pieces, offset=lo, nbytes=hi - lo)
+                    except EOFError:
+                        raise fast_st.SafetensorsFileError(f"{path}: the file ended before its {size} bytes were "
+                                                           "read (did it shrink while being read?)") from None
+                for name in window:
+                    yield name, out.pop(name)
+        finally:
+            os.close(fd)
+
+    return mode, tensors()
+
+
+def _header(path: str):
+    """A safetensors file's header (SafetensorsFileError naming the file where it is not sound)."""
+    from .. import safetensors as fast_st
+
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return fast_st.Header.read(fd, path, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
+def _windows(header, window_bytes: int):
+    """The header's tensor names, in file order, in runs of at most
+    window_bytes (a larger tensor alone)."""
+    window, held = [], 0
+    for name, entry in header.entries.items():
+        if window and held + entry.nbytes > window_bytes:
+            yield window
+            window, held = [], 0
+        window.append(name)
+        held += entry.nbytes
+    if window:
+        yield window
 
 
 def _handed_out(header, mapped: dict, readers: int):
@@ -205,6 +287,13 @@ def _parameter_extents(model) -> list:
     return extents
 
 
+def _model_device(model):
+    """The GPU the model's parameters are on, else None (CPU tensors)."""
+    for tensor in model.parameters():
+        return tensor.device if tensor.device.type == "cuda" else None
+    return None
+
+
 def _loader_class():
     """The BaseModelLoader subclass (made where vLLM is importable)."""
     import contextlib
@@ -256,7 +345,8 @@ def _loader_class():
             self._files(model_config)
 
         def get_all_weights(self, model_config, model) -> Iterator:
-            yield from weights(self._files(model_config), self.read_ahead_mib, logger.info, cold_read=self.cold_read)
+            yield from weights(self._files(model_config), self.read_ahead_mib, logger.info, cold_read=self.cold_read,
+                               device=_model_device(model))
 
         def load_weights(self, model, model_config) -> None:
             files = self._files(model_config)
@@ -267,7 +357,7 @@ def _loader_class():
             try:
                 with prefault:
                     loaded = model.load_weights(weights(files, self.read_ahead_mib, logger.info, where,
-                                                        self.cold_read))
+                                                        self.cold_read, _model_device(model)))
             except Exception as exc:  # noqa: BLE001 - noted and raised: which tensor of which file vLLM refused
                 if where:
                     _note(exc, f"(the tensor {where[1]!r} of {where[0]}, read by fastpersist)")
