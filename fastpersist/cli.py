@@ -424,6 +424,14 @@ def _common_bench_arguments(parser: argparse.ArgumentParser, repeats: int, csv: 
                         help="write the results as CSV" + (f" (default: {csv})" if csv else " too"))
 
 
+def _regimes_argument(text: str) -> list:
+    regimes = [r.strip() for r in text.split(",") if r.strip()]
+    unknown = [r for r in regimes if r not in ("cold", "warm", "tmpfs")]
+    if unknown or not regimes:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma-separated list of cold, warm, tmpfs")
+    return regimes
+
+
 def _model_arguments(parser: argparse.ArgumentParser, size: float, dtype: str) -> None:
     parser.add_argument("--size", type=_positive_float, default=size, metavar="GB",
                         help="checkpoint size in GB (10^9 bytes): a GPT-2-shaped model with as many layers as "
@@ -522,6 +530,9 @@ def _add_bench_parser(commands) -> None:
     _model_arguments(gpu, size=1.0, dtype="bfloat16")
     gpu.add_argument("--device", default="cuda",
                      help="the device (default: cuda); cpu only checks that the benchmark runs")
+    gpu.add_argument("--regimes", type=_regimes_argument, default="cold,warm,tmpfs", metavar="LIST",
+                     help="the loads' sources, comma-separated (default: cold,warm,tmpfs): cold (the disk, the "
+                          "files dropped from the page cache), warm (the page cache), tmpfs (copies in /dev/shm)")
     _common_bench_arguments(gpu, repeats=5)
     gpu.set_defaults(func=_cmd_bench)
 

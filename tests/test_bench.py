@@ -80,7 +80,19 @@ def test_gpu_bench_runs_its_mechanisms_and_says_when_no_gpu_was_measured(tmp_pat
                                               "fastpersist.save_async", "one device-to-host copy_ of the state",
                                               "raw engine read to host memory (ceiling)"}
     assert all(r["median_s"] > 0 and r["device"] == "cpu" for r in rows)
+    # loads from each source: the disk, the page cache and tmpfs, each with its ceiling and the safetensors rows
+    for regime in ("cold", "warm", "tmpfs"):
+        mechanisms = {r["mechanism"] for r in rows if r["operation"].startswith(f"load to the device, {regime}")}
+        assert {"torch.load(map_location=device)", "fastpersist.load_into (model on the device)",
+                "safetensors load_file(device=...)", "fastpersist.safetensors load_file(device=...)"} <= mechanisms
+        assert ("raw engine read to host memory (ceiling)" if regime == "cold" else
+                "parallel pread into page-locked memory (ceiling)") in mechanisms, regime
+    assert set(report["not_measured"]) >= {"fastsafetensors (nogds)", "InstantTensor"}  # peers: CUDA only
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(".fastpersist-bench-")]  # the tmpfs copies went
     only_outputs_left(tmp_path, ["g.json"])
+    refused = subprocess.run([sys.executable, "-m", "fastpersist", "bench", "gpu", "--regimes", "cold,hot"],
+                             cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "expected a comma-separated list of cold, warm, tmpfs" in refused.stderr
     if not torch.cuda.is_available():
         refused = subprocess.run([sys.executable, "-m", "fastpersist", "bench", "gpu", "--folder", str(tmp_path)],
                                  cwd=REPO, capture_output=True, text=True, timeout=120)

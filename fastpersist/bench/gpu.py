@@ -11,17 +11,25 @@ Measured, each in every round, in an order shuffled from round to round:
 - ``save_async``: the time the caller is blocked (its snapshot), beside one
   device-to-host ``copy_`` of the whole state into page-locked memory
   already allocated; the save's durable time is reported too;
-- load to the GPU: ``torch.load(map_location=device)``, ``fastpersist.load``
-  (storages allocated on the device, filled from the engine's buffers), and
-  ``fastpersist.load_into`` the model that exists on the device, beside the
-  ceiling, the raw engine reading the file into host memory;
+- load to the GPU, from each source (``--regimes``): the disk (cold: the
+  files dropped from the page cache first), the page cache (warm) and tmpfs
+  (copies in /dev/shm): ``torch.load(map_location=device)``,
+  ``fastpersist.load`` and ``fastpersist.load_into`` the model that exists on
+  the device; a safetensors file of the same tensors through safetensors'
+  ``load_file(device=...)`` and fastpersist's; the peers where importable
+  (fastsafetensors without GDS, InstantTensor, runai-model-streamer to the
+  CPU then ``.to(device)``, as vLLM uses it), each load's tensors checked
+  equal to the state once. The ceiling of each source: the raw engine
+  reading the file into host memory (cold), ``read_threads`` threads
+  pread-ing it into page-locked memory (warm, tmpfs); beside them, one
+  page-locked host-to-device copy of the state;
 - with GPUDirect Storage where cuFile's driver opens here (native, or its
   compatibility mode, which the row names): ``fastpersist.save``,
   ``fastpersist.load`` and ``load_into`` with ``transfer="gds"``. Where it
   cannot open, the report says why instead of the rows.
 
-Every load waits for the device (torch.cuda.synchronize) and starts with the
-file dropped from the page cache; every save includes its fsync. Peak host
+Every load waits for the device (torch.cuda.synchronize); every save
+includes its fsync. Peak host
 memory: the growth of the process's resident high-water mark (VmHWM, reset
 before each mechanism through /proc/self/clear_refs) over its resident size
 before.
@@ -39,6 +47,24 @@ from typing import Callable, Optional
 
 from . import common
 from .common import GB, MiB, BenchError, Series, echo, fmt
+
+
+REGIMES = ("cold", "warm", "tmpfs")
+# peers loading a safetensors file to a GPU: label -> the module that must be importable
+PEERS = {"fastsafetensors (nogds)": "fastsafetensors", "InstantTensor": "instanttensor",
+         "runai-model-streamer (to the CPU, then .to(device))": "runai_model_streamer"}
+
+
+def _import_error(module: str) -> Optional[str]:
+    """Why module does not import here, or None where it does."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001 - a peer that cannot load is reported, not fatal
+        return "not installed" if isinstance(exc, ModuleNotFoundError) and exc.name == module else \
+            common.format_exception(exc)
+    return None
 
 
 def _vm_kib(field: str) -> Optional[int]:
@@ -83,6 +109,9 @@ class GpuBench:
         self.checkpoint = self.workspace.file("checkpoint.pt")
         self.peak_measurable = _reset_peak()
         self.gds_mode, self.gds_why = self._gds_here()
+        self.regimes = [r for r in REGIMES if r in args.regimes]
+        self.shm: Optional[str] = None
+        self.skipped: dict = {}  # regime or peer -> why it was not measured
 
     def _gds_here(self) -> tuple:
         """(cuFile's mode, None) where transfer="gds" runs here, else (None, why not)."""
@@ -99,6 +128,10 @@ class GpuBench:
 
     def close(self) -> None:
         self.workspace.close()
+        if self.shm is not None:
+            import shutil
+
+            shutil.rmtree(self.shm, ignore_errors=True)
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -124,7 +157,42 @@ class GpuBench:
         self.file_size = os.path.getsize(self.checkpoint)
         self.raw_target = torch.empty(self.file_size, dtype=torch.uint8)
         self.raw_target.fill_(1)  # touched: the ceiling reads into memory that exists
+        # the same tensors in a safetensors file (each storage once: safetensors refuses shared ones)
+        self.st_names, seen = {}, set()
+        for name, tensor in self.state.items():
+            if tensor.untyped_storage().data_ptr() not in seen:
+                seen.add(tensor.untyped_storage().data_ptr())
+                self.st_names[name] = tensor
+        self.st_checkpoint = self.workspace.file("checkpoint.safetensors")
+        from fastpersist import safetensors as fst
+
+        fst.save_file(self.st_names, self.st_checkpoint)
+        common.fsync_path(self.st_checkpoint)
+        self.st_size = os.path.getsize(self.st_checkpoint)
+        # the ceiling of a cached source: page-locked host memory, touched
+        self.pinned_target = torch.empty(max(self.file_size, self.st_size), dtype=torch.uint8, pin_memory=pin)
+        self.pinned_target.fill_(1)
+        self.device_bytes = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        self.files = {r: (self.checkpoint, self.st_checkpoint) for r in ("cold", "warm")}
+        if "tmpfs" in self.regimes:
+            self._copy_to_tmpfs()
         self.sync()
+
+    def _copy_to_tmpfs(self) -> None:
+        import shutil
+        import tempfile
+
+        needs = self.file_size + self.st_size + (256 << 20)
+        if not os.path.isdir("/dev/shm") or shutil.disk_usage("/dev/shm").free < needs:
+            self.skipped["tmpfs"] = f"/dev/shm is missing or has less than {needs / GB:.1f} GB free"
+            self.regimes.remove("tmpfs")
+            return
+        self.shm = tempfile.mkdtemp(prefix=".fastpersist-bench-", dir="/dev/shm")
+        copies = []
+        for path in (self.checkpoint, self.st_checkpoint):
+            copies.append(os.path.join(self.shm, os.path.basename(path)))
+            shutil.copyfile(path, copies[-1])
+        self.files["tmpfs"] = tuple(copies)
 
     # -- mechanisms: each returns seconds (and extra numbers) ---------------
     def vanilla_save(self, path: str) -> float:
@@ -171,32 +239,69 @@ class GpuBench:
         self.sync()
         return time.perf_counter() - start
 
-    def vanilla_load(self) -> float:
+    def vanilla_load(self, path: Optional[str] = None) -> float:
         from fastpersist.patching import original_load
 
-        return self._timed_load(original_load())
+        return self._timed(lambda: original_load()(path or self.checkpoint, map_location=self.device,
+                                                   weights_only=True))
 
-    def fastpersist_load(self, **extra) -> float:
+    def fastpersist_load(self, path: Optional[str] = None, **extra) -> float:
         import fastpersist
 
         with common.options_for_load(self.options.replace(**extra)):  # fastpersist.load takes torch.load's arguments
-            return self._timed_load(fastpersist.load)
+            return self._timed(lambda: fastpersist.load(path or self.checkpoint, map_location=self.device,
+                                                        weights_only=True))
 
-    def _timed_load(self, load: Callable) -> float:
+    def _timed(self, load: Callable) -> float:
+        """Seconds of load() and the device's work; its result kept in
+        self.loaded (checked by the caller, then freed, outside the timing)."""
         start = time.perf_counter()
-        loaded = load(self.checkpoint, map_location=self.device, weights_only=True)
+        loaded = load()
         self.sync()
         seconds = time.perf_counter() - start
-        del loaded  # freed outside the timing
+        self.loaded = loaded
         return seconds
 
-    def load_into(self, **extra) -> float:
+    def load_into(self, path: Optional[str] = None, **extra) -> float:
         import fastpersist
 
         start = time.perf_counter()
-        fastpersist.load_into(self.state, self.checkpoint, **{**dataclasses.asdict(self.options), **extra})
+        fastpersist.load_into(self.state, path or self.checkpoint, **{**dataclasses.asdict(self.options), **extra})
         self.sync()
         return time.perf_counter() - start
+
+    def stock_load_file(self, path: str) -> float:
+        load_file = _stock_load_file()
+        return self._timed(lambda: load_file(path, device=str(self.device)))
+
+    def fastpersist_load_file(self, path: str) -> float:
+        from fastpersist import safetensors as fst
+
+        with common.options_for_load(self.options):
+            return self._timed(lambda: fst.load_file(path, device=str(self.device)))
+
+    def peer_load(self, label: str, path: str) -> float:
+        device = str(self.device)
+
+        def load():
+            if label.startswith("fastsafetensors"):
+                from fastsafetensors import fastsafe_open
+
+                with fastsafe_open(filenames=[path], nogds=True, device=device) as f:
+                    return {k: f.get_tensor(k).clone() for k in f.keys()}  # its tensors view its buffer
+            if label == "InstantTensor":
+                import instanttensor
+
+                index = self.device.index or 0 if self.device.type == "cuda" else device
+                with instanttensor.safe_open([path], framework="pt", device=index, copy=True) as f:
+                    return dict(f.tensors())
+            from runai_model_streamer import SafetensorsStreamer
+
+            with SafetensorsStreamer() as streamer:
+                streamer.stream_files([path], device="cpu")
+                return {k: t.to(device) for k, t in streamer.get_tensors()}
+
+        return self._timed(load)
 
     def raw_read(self) -> float:
         start = time.perf_counter()
@@ -206,8 +311,45 @@ class GpuBench:
             raise BenchError(f"the raw read got {got} of {self.file_size} bytes")
         return seconds
 
+    def parallel_read_to_pinned(self, path: str) -> float:
+        """The ceiling of a cached source: read_threads threads pread the
+        file into page-locked host memory (no device copy, no format)."""
+        from fastpersist import read_pipeline
+
+        size = os.path.getsize(path)
+        threads = read_pipeline.read_threads(self.options)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            start = time.perf_counter()
+            read_pipeline.pread_extents(fd, path, [(self.pinned_target.data_ptr(), 0, size)], False, threads=threads)
+            return time.perf_counter() - start
+        finally:
+            os.close(fd)
+
+    def host_to_device(self) -> float:
+        """One page-locked host-to-device copy of the state's bytes."""
+        self.sync()
+        start = time.perf_counter()
+        self.device_bytes.copy_(self.pinned_target[:self.nbytes], non_blocking=True)
+        self.sync()
+        return time.perf_counter() - start
+
+    def check(self, label: str) -> None:
+        """The last load's tensors equal the state's (by name), on the device."""
+        torch = self.torch
+        loaded = getattr(self, "loaded", None)
+        self.loaded = None
+        if loaded is None:
+            return
+        for name, expected in (self.st_names if len(loaded) == len(self.st_names) else self.state).items():
+            got = loaded.get(name)
+            if got is None or got.device != self.device or got.dtype != expected.dtype or \
+                    not torch.equal(got, expected):
+                raise BenchError(f"{label}: tensor {name!r} differs from the state saved "
+                                 f"({'missing' if got is None else f'{got.device} {got.dtype}'})")
+
     def mechanisms(self) -> list:
-        """(series, measure() -> seconds or (seconds, extra), is a load)."""
+        """(series, measure() -> seconds or (seconds, extra), before: None or what runs first, untimed)."""
         ws = self.workspace
 
         def to_new_file(fn: Callable) -> Callable:
@@ -219,52 +361,113 @@ class GpuBench:
                     common.remove(path)
             return measure
 
-        save, load = "save from the device", "load to the device"
+        save = "save from the device"
         gds_rows = []
+        load = "load to the device, cold (from the disk)"
+        drop = lambda: self.dropper.drop(self.checkpoint)  # noqa: E731
         if self.gds_mode:
             gds = dict(transfer="gds", allow_gds_compat=True)
             mode = f"transfer=gds, {self.gds_mode.split(' (')[0]}"
             gds_rows = [
                 (Series(save, f"fastpersist.save ({mode})", role="gds"),
-                 to_new_file(lambda path: self.fastpersist_save(path, **gds)), False),
+                 to_new_file(lambda path: self.fastpersist_save(path, **gds)), None),
                 (Series(load, f"fastpersist.load ({mode})", role="gds"),
-                 lambda: self.fastpersist_load(**gds), True),
-                (Series(load, f"fastpersist.load_into ({mode})", role="gds"), lambda: self.load_into(**gds), True),
+                 lambda: self.fastpersist_load(**gds), drop),
+                (Series(load, f"fastpersist.load_into ({mode})", role="gds"), lambda: self.load_into(**gds), drop),
             ]
         return [
-            (Series(save, "torch.save + fsync", role="vanilla"), to_new_file(self.vanilla_save), False),
-            (Series(save, "fastpersist.save", role="fastpersist"), to_new_file(self.fastpersist_save), False),
+            (Series(save, "torch.save + fsync", role="vanilla"), to_new_file(self.vanilla_save), None),
+            (Series(save, "fastpersist.save", role="fastpersist"), to_new_file(self.fastpersist_save), None),
             (Series(save, "raw engine write from host memory (ceiling)", role="ceiling"),
-             to_new_file(self.raw_write), False),
+             to_new_file(self.raw_write), None),
             (Series("save_async: caller blocked", "fastpersist.save_async", role="fastpersist"),
-             to_new_file(self.save_async_stall), False),
+             to_new_file(self.save_async_stall), None),
             (Series("save_async: caller blocked", "one device-to-host copy_ of the state", role="vanilla"),
-             self.one_copy, False),
-            (Series(load, "torch.load(map_location=device)", role="vanilla"), self.vanilla_load, True),
-            (Series(load, "fastpersist.load(map_location=device)", role="fastpersist"), self.fastpersist_load, True),
-            (Series(load, "fastpersist.load_into (model on the device)", role="fastpersist"), self.load_into, True),
-            (Series(load, "raw engine read to host memory (ceiling)", role="ceiling"), self.raw_read, True),
-        ] + gds_rows
+             self.one_copy, None),
+            (Series("page-locked host-to-device copy", "one copy_ of the state's bytes", role="ceiling"),
+             self.host_to_device, None),
+        ] + self.load_mechanisms() + gds_rows
+
+    def load_mechanisms(self) -> list:
+        """(series, measure, before) of the loads, regime by regime; before:
+        what makes the files' source the regime's (drop or warm)."""
+        entries = []
+        for regime in self.regimes:
+            pt, st = self.files[regime]
+            op = f"load to the device, {regime}" + {"cold": " (from the disk)", "warm": " (page cache)",
+                                                     "tmpfs": " (/dev/shm)"}[regime]
+            rows = [
+                (Series(op, "torch.load(map_location=device)", role="vanilla"), lambda pt=pt: self.vanilla_load(pt)),
+                (Series(op, "fastpersist.load(map_location=device)", role="fastpersist"),
+                 lambda pt=pt: self.fastpersist_load(pt)),
+                (Series(op, "fastpersist.load_into (model on the device)", role="fastpersist"),
+                 lambda pt=pt: self.load_into(pt)),
+                (Series(op, "safetensors load_file(device=...)", role="other"),
+                 lambda st=st: self.stock_load_file(st)),
+                (Series(op, "fastpersist.safetensors load_file(device=...)", role="fastpersist"),
+                 lambda st=st: self.fastpersist_load_file(st)),
+            ]
+            for label, module in PEERS.items():
+                why = "no CUDA device" if self.device.type != "cuda" else _import_error(module)
+                if why is None:
+                    rows.append((Series(op, label, role="other"), lambda label=label, st=st: self.peer_load(label, st)))
+                else:
+                    self.skipped[label] = f"{module}: {why}"
+            if regime == "cold":
+                rows.append((Series(op, "raw engine read to host memory (ceiling)", role="ceiling"), self.raw_read))
+            else:
+                rows.append((Series(op, "parallel pread into page-locked memory (ceiling)", role="ceiling"),
+                             lambda pt=pt: self.parallel_read_to_pinned(pt)))
+            for series, measure in rows:
+                series.nbytes = self.st_size if "load_file" in series.mechanism or series.mechanism in PEERS \
+                    else self.file_size
+                paths = (pt, st)
+                before = (lambda paths=paths: [self.dropper.drop(p) for p in paths]) if regime == "cold" else \
+                    (lambda paths=paths: [common.warm(p) for p in paths if (common.cached_fraction(p) or 0) < 0.99]) \
+                    if regime == "warm" else None
+                entries.append((series, measure, before))
+        return entries
 
     def run(self) -> list:
         self.prepare()
         entries = self.mechanisms()
         for s, _, _ in entries:
-            s.nbytes = self.file_size
+            s.nbytes = s.nbytes or self.file_size
             s.extra["peak_host_mib"] = []
+        failed: set = set()  # peers that raised: reported, not measured again
         for round_index in range(self.args.repeats):
-            for s, measure, is_load in common.round_order(entries, round_index):
-                if is_load:
-                    self.dropper.drop(self.checkpoint)
+            for s, measure, before in common.round_order(entries, round_index):
+                if s.mechanism in failed:
+                    continue
+                if before is not None:
+                    before()
                 rss = _vm_kib("VmRSS")
                 _reset_peak()
-                got = measure()
+                try:
+                    got = measure()
+                except Exception as exc:  # noqa: BLE001 - a peer's failure is its row's, not the run's
+                    if s.mechanism not in PEERS:
+                        raise
+                    failed.add(s.mechanism)
+                    self.skipped[s.mechanism] = f"raised {common.format_exception(exc)}"
+                    self.loaded = None
+                    continue
                 seconds, extra = got if isinstance(got, tuple) else (got, {})
                 peak = _vm_kib("VmHWM")
+                if round_index == 0:
+                    self.check(f"{s.operation}: {s.mechanism}")
+                self.loaded = None
                 s.add(seconds, extra)
                 if self.peak_measurable and rss is not None and peak is not None:
                     s.extra["peak_host_mib"].append(max(0, peak - rss) / 1024)
-        return [s for s, _, _ in entries]
+        return [s for s, _, _ in entries if s.mechanism not in failed]
+
+
+def _stock_load_file():
+    """safetensors' own load_file, whether or not fastpersist has patched it."""
+    import safetensors.torch
+
+    return getattr(safetensors.torch, "_fastpersist_original_load_file", safetensors.torch.load_file)
 
 
 def _by_role(series: list, operation: str, role: str) -> Optional[Series]:
@@ -329,13 +532,17 @@ def run(args) -> int:
              " (native GDS stages the others through cuFile's own buffers)")
     else:
         echo(f"GPUDirect Storage rows: not measured ({bench.gds_why})")
+    for what, why in bench.skipped.items():
+        echo(f"not measured: {what} ({why})")
     echo(f"wall time {time.perf_counter() - started:.0f} s")
     if args.json:
         common.write_json(args.json, {"benchmark": "fastpersist bench gpu", "machine": machine,
                                       "device": device_text, "buffers_bytes": buffers,
                                       "gds": {"mode": bench.gds_mode, "why_not": bench.gds_why,
                                               "stats": gds_stats},
+                                      "not_measured": bench.skipped,
                                       "settings": {"size_gb": args.size, "repeats": args.repeats,
+                                                   "regimes": bench.regimes,
                                                    "dtype": args.dtype, "device": str(bench.device),
                                                    "ram_device_gb": getattr(args, "ram_device", None)},
                                       "results": rows})

@@ -153,7 +153,9 @@ def notes(document: dict) -> list:
                 "the default loader's. The plain read's row is `cat` of the same shards."]
     if document["benchmark"] == "fastpersist bench gpu":
         return ["× reference: torch's time over this one in the same round (for save_async: one device-to-host "
-                "copy_ of the state), median over rounds; × ceiling: the raw engine's time over this one; "
+                "copy_ of the state), median over rounds; × ceiling: the ceiling's time over this one (saves and "
+                "cold loads: the raw engine; loads from the page cache or tmpfs: parallel preads into page-locked "
+                "memory, no device copy); "
                 "peak host MiB: growth of the resident high-water mark during the call; durable s: until "
                 "save_async's file is on disk."]
     return ["× torch: torch's time over this one in the same round, median over rounds; × ceiling: the raw "
