@@ -166,6 +166,25 @@ def test_a_staged_load_waits_for_kernels_still_queued_on_the_callers_stream(tmp_
     assert all(s.item() == state[k].float().sum().item() for s, k in zip(sums, state))
 
 
+def test_a_staging_buffer_is_refilled_only_once_its_copies_have_read_it(tmp_path, monkeypatch):
+    """Each copy out of a staging buffer held back on its stream (a busy
+    kernel queued first): a reader that refilled the buffer before the copy
+    ran would hand the device the next run's bytes."""
+    state = _big_state(6)
+    fastpersist.save(state, tmp_path / "s.pt")
+    real = device_io.Copies.copy
+
+    def late(self, target, source):
+        real(self, target[:0], source[:0])  # the side stream, made as the first copy makes it
+        with torch.cuda.stream(self.streams[target.device][0]):
+            torch.cuda._sleep(20_000_000)  # ~10 ms before the copy may start
+        real(self, target, source)
+
+    monkeypatch.setattr(device_io.Copies, "copy", late)
+    got = fastpersist.load(tmp_path / "s.pt", map_location="cuda")
+    assert all(torch.equal(got[k], state[k]) for k in state)
+
+
 def test_a_staged_reader_failing_mid_read_raises_once_and_returns_every_buffer(tmp_path, monkeypatch):
     state = _big_state(2)
     fastpersist.save(state, tmp_path / "s.pt")

@@ -210,6 +210,27 @@ class GpuBench:
         fastpersist.save(self.state, path, **{**dataclasses.asdict(self.options), **extra})
         return time.perf_counter() - start
 
+    def fastpersist_save_without_crc(self, path: str) -> float:
+        """fastpersist.save with torch's compute_crc32 off: what the CRC-32 of
+        every record costs the save (its implementation: `fastpersist info`)."""
+        from torch.utils.serialization import config
+
+        was = config.save.compute_crc32
+        config.save.compute_crc32 = False
+        try:
+            return self.fastpersist_save(path)
+        finally:
+            config.save.compute_crc32 = was
+
+    def safetensors_save(self, path: str) -> float:
+        """fastpersist.safetensors.save_file of the same tensors (a format
+        with no CRC), + fsync as every save here."""
+        from fastpersist import safetensors as fst
+
+        start = time.perf_counter()
+        fst.save_file(self.st_names, path, **dataclasses.asdict(self.options))
+        return time.perf_counter() - start
+
     def raw_write(self, path: str) -> float:
         from fastpersist import FastFileWriter
 
@@ -378,6 +399,10 @@ class GpuBench:
         return [
             (Series(save, "torch.save + fsync", role="vanilla"), to_new_file(self.vanilla_save), None),
             (Series(save, "fastpersist.save", role="fastpersist"), to_new_file(self.fastpersist_save), None),
+            (Series(save, "fastpersist.save, CRC-32 off (torch's compute_crc32=False)", role="other"),
+             to_new_file(self.fastpersist_save_without_crc), None),
+            (Series(save, "fastpersist.safetensors save_file (no CRC in the format)", role="other"),
+             to_new_file(self.safetensors_save), None),
             (Series(save, "raw engine write from host memory (ceiling)", role="ceiling"),
              to_new_file(self.raw_write), None),
             (Series("save_async: caller blocked", "fastpersist.save_async", role="fastpersist"),
