@@ -225,13 +225,15 @@ def _staged_read(fd: int, path: str, pieces: list, threads: int, stage_bytes: in
 
     def run(stop: StopSignal) -> None:
         copies = device_io.Copies(streams)
-        buffers = device_io.staging_buffers.take(2, stage_bytes, pinned)
+        buffers: list = []  # taken with the first run: a reader left with no work allocates nothing
         tokens: list = [None, None]
         done = False
         try:
             for k, (lo, hi, parts) in enumerate(work):  # a list iterator's next is atomic: one thread per chunk
                 if state.error is not None or stop.is_set():
                     break
+                if not buffers:
+                    buffers.extend(device_io.staging_buffers.take(2, stage_bytes, pinned))
                 slot = k % 2
                 copies.wait(tokens[slot])  # its last copies have left it
                 staged = buffers[slot]
@@ -254,23 +256,10 @@ def _staged_read(fd: int, path: str, pieces: list, threads: int, stage_bytes: in
         finally:
             if not done:
                 copies.abandon()  # the buffers go back only once no copy reads them
-            device_io.staging_buffers.give(buffers, stage_bytes, pinned)
+            if buffers:
+                device_io.staging_buffers.give(buffers, stage_bytes, pinned)
 
-    def helper(stop: StopSignal) -> None:
-        try:
-            run(stop)
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            state.fail(exc)
-
-    with HelperThreads(stop) as helpers:
-        for _ in range(threads - 1):
-            if not helpers.start(helper, helpers.stop):
-                break
-        run(helpers.stop)
-    if state.error is not None:
-        raise state.error
-    if stop is not None and stop.is_set():
-        raise ReadStopped(path)
+    _run_on_helpers(run, threads, stop, state, path)
     if not checksums:
         return {}
     crcs = {}
@@ -416,23 +405,7 @@ def pread_extents(fd: int, path: str, extents, checksums: bool, threads: int = 1
                 return
             _read_unit(fd, path, unit, scratch, checksums, state, pieces)
 
-    def helper(stop: StopSignal) -> None:
-        try:
-            run(stop)
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            state.fail(exc)
-
-    # The caller reads too; whatever it raises (an interrupt included) leaves only once every helper has
-    # stopped (HelperThreads), and is raised rather than a helper's error.
-    with HelperThreads(stop) as helpers:
-        for _ in range(threads - 1):
-            if not helpers.start(helper, helpers.stop):
-                break  # no more threads: those started, and the caller, do the work
-        run(helpers.stop)
-    if state.error is not None:
-        raise state.error
-    if stop is not None and stop.is_set():
-        raise ReadStopped(path)
+    _run_on_helpers(run, threads, stop, state, path)
     if not checksums:
         return {}
     crcs = state.crcs
@@ -442,6 +415,30 @@ def pread_extents(fd: int, path: str, extents, checksums: bool, threads: int = 1
             crc = _engine.crc32_combine(crc, piece_crc, min(PIECE, nbytes - i * PIECE))
         crcs[offset, nbytes] = crc
     return crcs
+
+
+def _run_on_helpers(run, threads: int, stop: Optional[StopSignal], state: "_Shared", path: str) -> None:
+    """run(signal) on the calling thread and on up to threads - 1 helper
+    threads, which share its work; then raises the first error a helper
+    met (state.fail), or ReadStopped where stop was set. The caller reads
+    too: whatever it raises (an interrupt included) leaves only once every
+    helper has stopped (HelperThreads), and is raised rather than a
+    helper's error."""
+    def helper(signal: StopSignal) -> None:
+        try:
+            run(signal)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            state.fail(exc)
+
+    with HelperThreads(stop) as helpers:
+        for _ in range(threads - 1):
+            if not helpers.start(helper, helpers.stop):
+                break  # no more threads: those started, and the caller, do the work
+        run(helpers.stop)
+    if state.error is not None:
+        raise state.error
+    if stop is not None and stop.is_set():
+        raise ReadStopped(path)
 
 
 class _Shared:

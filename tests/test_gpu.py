@@ -18,7 +18,7 @@ import fastpersist
 from fastpersist import _engine, device_io, read_pipeline
 from fastpersist.options import Options
 
-from conftest import fork_child
+from conftest import evicted, fork_child
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)")
 
@@ -91,18 +91,6 @@ def _big_state(seed=0, count=24):
                                                                               torch.float32) for i in range(count)}
 
 
-def _evict(path) -> bool:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        from fastpersist.fileio import cached_fraction
-
-        return (cached_fraction(fd, os.fstat(fd).st_size) or 0.0) < 0.5
-    finally:
-        os.close(fd)
-
-
 @pytest.mark.parametrize("where", ["page cache", "tmpfs", "cold", "partly cached"])
 def test_every_load_to_the_gpu_in_every_mode(tmp_path, ways, where):
     """fastpersist.load, load_into, safetensors load_file and safe_open onto
@@ -121,7 +109,7 @@ def test_every_load_to_the_gpu_in_every_mode(tmp_path, ways, where):
         fst.save_file(state, folder / "s.safetensors")
         _engine.release(_engine.acquire(Options()))  # an engine idle: the choice is the source's alone
         for name in ("s.pt", "s.safetensors"):
-            if where in ("cold", "partly cached") and not _evict(folder / name):
+            if where in ("cold", "partly cached") and not evicted(folder / name):
                 pytest.skip("this filesystem keeps files in the page cache")
             if where == "partly cached":
                 with open(folder / name, "rb") as f:
@@ -256,7 +244,7 @@ def test_the_vllm_iterator_onto_the_gpu_gives_every_tensor(tmp_path, cached):
         st.save_file({k: state[k] for k in names}, str(tmp_path / f"model-{i + 1:05d}-of-00002.safetensors"))
     files = fp_vllm.weight_files(str(tmp_path))
     _engine.release(_engine.acquire(Options()))
-    if not cached and not all(_evict(f) for f in files):
+    if not cached and not all(evicted(f) for f in files):
         pytest.skip("this filesystem keeps files in the page cache")
     logged = []
     got = {}
@@ -320,6 +308,17 @@ def test_tensors_changed_after_save_async_returns_do_not_reach_the_file(tmp_path
     handle.result()
     torch.cuda.synchronize()
     assert torch.all(torch.load(tmp_path / "a.pt")["x"] == 1.0)
+
+
+def test_save_async_snapshots_what_kernels_queued_before_it_wrote(tmp_path):
+    """The snapshot's copies, queued without blocking on a side stream,
+    come after the kernels the caller queued before calling: here a write
+    held behind a busy kernel on the current stream."""
+    x = torch.zeros(16 << 20, device="cuda")
+    torch.cuda._sleep(200_000_000)
+    x.fill_(7)
+    fastpersist.save_async({"x": x, "step": 3}, tmp_path / "k.pt").result()
+    assert torch.all(torch.load(tmp_path / "k.pt", map_location="cpu")["x"] == 7)
 
 
 def _rss_kib():
