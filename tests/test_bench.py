@@ -88,7 +88,8 @@ def test_gpu_bench_runs_its_mechanisms_and_says_when_no_gpu_was_measured(tmp_pat
         assert ("raw engine read to host memory (ceiling)" if regime == "cold" else
                 "parallel pread into page-locked memory (ceiling)") in mechanisms, regime
     assert set(report["not_measured"]) >= {"fastsafetensors (nogds)", "InstantTensor"}  # peers: CUDA only
-    assert not [n for n in os.listdir("/dev/shm") if n.startswith(".fastpersist-bench-")]  # the tmpfs copies went
+    if os.path.isdir("/dev/shm"):  # the tmpfs copies went with the run
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith(".fastpersist-bench-")]
     only_outputs_left(tmp_path, ["g.json"])
     refused = subprocess.run([sys.executable, "-m", "fastpersist", "bench", "gpu", "--regimes", "cold,hot"],
                              cwd=REPO, capture_output=True, text=True, timeout=120)
