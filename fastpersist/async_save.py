@@ -484,10 +484,15 @@ class _SnapshotCopy:
         self._queue_device_copies(device_copies)
         if not background or offset < self.MIN_BYTES:
             self._copy(copies, threads)
-        else:
+            return
+        try:
             self.thread = threading.Thread(target=self._copy, args=(copies, threads), daemon=True,
                                            name="fastpersist-snapshot")
             self.thread.start()
+        except BaseException:
+            self.thread = None
+            self._wait_for_device()  # the arena goes back to the pool next: no copy may still write into it
+            raise
 
     @classmethod
     def into(cls, storages: dict, memory: "_SnapshotMemory", limit: int,
@@ -539,12 +544,15 @@ class _SnapshotCopy:
         where error is None)."""
         if self.thread is not None:
             self.thread.join()
+        self._wait_for_device()
+        return self.arena
+
+    def _wait_for_device(self) -> None:
         for side in self.streams.values():
             try:
                 side.synchronize()  # the arena holds the storages' bytes as of the call from here on
             except BaseException as exc:  # noqa: BLE001 - raised by the caller
                 self.error = self.error or exc
-        return self.arena
 
     def adopt(self, plan: torch_format.CheckpointPlan) -> bool:
         """Points each of the plan's storage records at its copy; False

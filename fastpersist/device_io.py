@@ -415,61 +415,105 @@ def callers_streams(pieces: list) -> dict:
 
 class StagingBuffers:
     """The process's staging buffers, kept from one load to the next:
-    page-locking memory (cudaHostAlloc) costs milliseconds per buffer, more
-    than a small file's read. Buffers are kept by (page-locked, size), at
-    most KEEP of them; release() lets them go. In a forked child the
-    parent's are never used or freed: its page-locked memory is not the
-    child's CUDA context's."""
+    page-locking memory costs milliseconds per buffer, more than a small
+    file's read. A page-locked buffer is an anonymous mapping registered
+    with CUDA (cudaHostRegister, as the engine's buffers are: torch's own
+    pinned allocator would keep them after release()), left out of forked
+    children (MADV_DONTFORK). At most KEEP_BYTES are kept; release() lets
+    them go. In a forked child the parent's are never used or freed."""
 
-    KEEP = 64
+    KEEP_BYTES = 256 << 20
 
     def __init__(self):
         import threading
 
         self._lock = threading.Lock()
         self._free: dict = {}  # (pinned, nbytes) -> [uint8 tensor]
-        self._pid = os.getpid()
-        self._forked_away: list = []  # a forked child's: the parent's buffers, never freed there
+        self._owners: dict = {}  # address -> (mapping, unregister) of a page-locked buffer
+        self._forked_away: list = []  # a forked child's: the parent's buffers, never unmapped there
 
     def take(self, count: int, nbytes: int, pinned: bool) -> list:
-        import torch
-
         with self._lock:
-            self._after_fork()
             kept = self._free.get((pinned, nbytes), [])
             taken = [kept.pop() for _ in range(min(count, len(kept)))]
         try:
             while len(taken) < count:
-                taken.append(torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned))
+                taken.append(self._new(nbytes, pinned))
         except BaseException:
             self.give(taken, nbytes, pinned)
             raise
         return taken
 
-    def give(self, buffers: list, nbytes: int, pinned: bool) -> None:
+    def _new(self, nbytes: int, pinned: bool):
+        import mmap
+
+        import torch
+
+        if not pinned:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        memory = mmap.mmap(-1, nbytes)
+        buffer = torch.frombuffer(memory, dtype=torch.uint8)
+        unregister = register_host_memory(buffer.data_ptr(), nbytes, "staging buffers")
+        if unregister is not None and hasattr(mmap, "MADV_DONTFORK"):
+            memory.madvise(mmap.MADV_DONTFORK)  # page-locked pages would be copied into every forked child
         with self._lock:
-            self._after_fork()
+            self._owners[buffer.data_ptr()] = (memory, unregister)  # mapped while owned: the key stays unique
+        return buffer
+
+    def give(self, buffers: list, nbytes: int, pinned: bool) -> None:
+        dropped = []
+        with self._lock:
             kept = self._free.setdefault((pinned, nbytes), [])
-            room = self.KEEP - sum(len(v) for v in self._free.values())
-            kept.extend(buffers[:max(0, room)])
+            for buffer in buffers:
+                if self._kept_bytes() + nbytes <= self.KEEP_BYTES:
+                    kept.append(buffer)
+                else:
+                    dropped.append(buffer)
+        self._drop(dropped)
 
     def kept_bytes(self) -> int:
         with self._lock:
-            self._after_fork()
-            return sum(nbytes * len(v) for (_, nbytes), v in self._free.items())
+            return self._kept_bytes()
+
+    def _kept_bytes(self) -> int:
+        return sum(nbytes * len(v) for (_, nbytes), v in self._free.items())
 
     def release(self) -> None:
         with self._lock:
-            self._after_fork()
-            self._free = {}
+            free, self._free = self._free, {}
+        buffers = [b for kept in free.values() for b in kept]
+        free.clear()
+        self._drop(buffers)
 
-    def _after_fork(self) -> None:
-        if self._pid != os.getpid():
-            self._forked_away.append(self._free)
-            self._free, self._pid = {}, os.getpid()
+    def _drop(self, buffers: list) -> None:
+        """Unregisters page-locked buffers and lets their mappings go (each
+        is unmapped once the last tensor over it is gone); empties buffers."""
+        with self._lock:
+            owners = [self._owners.pop(b.data_ptr(), None) for b in buffers]
+        buffers.clear()
+        for owner in owners:
+            if owner is None:
+                continue
+            memory, unregister = owner
+            if unregister is not None:
+                unregister()  # before the memory is unmapped
+            try:
+                memory.close()
+            except BufferError:  # a tensor over it is still held: the mapping goes with it
+                pass
+
+    def forget_in_child(self) -> None:
+        """After fork, in the child: a fresh lock (another thread may have
+        held the parent's), and the parent's buffers set aside for good."""
+        import threading
+
+        self._lock = threading.Lock()
+        self._forked_away.append((self._free, self._owners))
+        self._free, self._owners = {}, {}
 
 
 staging_buffers = StagingBuffers()
+os.register_at_fork(after_in_child=lambda: staging_buffers.forget_in_child())
 
 
 def write_storage(source, sink, crc: Optional[int], copiers: Optional[dict] = None) -> Optional[int]:

@@ -255,8 +255,12 @@ def _staged_read(fd: int, path: str, pieces: list, threads: int, stage_bytes: in
             done = True
         finally:
             if not done:
-                copies.abandon()  # the buffers go back only once no copy reads them
-            if buffers:
+                try:
+                    copies.abandon()  # the buffers go back only once no copy reads them
+                    done = True
+                except BaseException:  # noqa: BLE001 - the error in flight is the one raised
+                    pass  # copies that cannot be waited for: their buffers are dropped, never reused
+            if buffers and done:
                 device_io.staging_buffers.give(buffers, stage_bytes, pinned)
 
     _run_on_helpers(run, threads, stop, state, path)

@@ -76,12 +76,15 @@ def test_loads_to_the_gpu_take_the_buffers_not_a_host_copy(tmp_path, monkeypatch
 
 
 @pytest.fixture
-def ways(monkeypatch):
-    """Which way each read_pieces went: "staged" or "engine"."""
+def ways(monkeypatch, page_cache_reads):
+    """Which way each read_pieces went: "staged" or "engine". Files read as
+    users' are (page_cache_reads: the suite otherwise sends every read to
+    the engine), with an engine idle, so that the source alone decides."""
     taken = []
     staged, engine = read_pipeline._staged_read, device_io.read_into
     monkeypatch.setattr(read_pipeline, "_staged_read", lambda *a, **k: (taken.append("staged"), staged(*a, **k))[1])
     monkeypatch.setattr(device_io, "read_into", lambda *a, **k: (taken.append("engine"), engine(*a, **k))[1])
+    _engine.release(_engine.acquire(Options()))
     return taken
 
 
@@ -89,6 +92,14 @@ def _big_state(seed=0, count=24):
     g = torch.Generator().manual_seed(seed)
     return {f"t{i}": torch.randn(1 << 20 if i % 3 else 37, generator=g).to("cuda", torch.bfloat16 if i % 2 else
                                                                               torch.float32) for i in range(count)}
+
+
+def _saved_and_cached(state, path):
+    """fastpersist.save (O_DIRECT: nothing of it cached), then the file read
+    once through the page cache, as a file read before or just copied is."""
+    fastpersist.save(state, path)
+    pathlib.Path(path).read_bytes()
+    return path
 
 
 @pytest.mark.parametrize("where", ["page cache", "tmpfs", "cold", "partly cached"])
@@ -107,9 +118,10 @@ def test_every_load_to_the_gpu_in_every_mode(tmp_path, ways, where):
         state = _big_state()
         fastpersist.save(state, folder / "s.pt")
         fst.save_file(state, folder / "s.safetensors")
-        _engine.release(_engine.acquire(Options()))  # an engine idle: the choice is the source's alone
         for name in ("s.pt", "s.safetensors"):
-            if where in ("cold", "partly cached") and not evicted(folder / name):
+            if where == "page cache":
+                (folder / name).read_bytes()
+            elif where in ("cold", "partly cached") and not evicted(folder / name):
                 pytest.skip("this filesystem keeps files in the page cache")
             if where == "partly cached":
                 with open(folder / name, "rb") as f:
@@ -126,21 +138,23 @@ def test_every_load_to_the_gpu_in_every_mode(tmp_path, ways, where):
         target = {k: torch.empty_like(v) for k, v in state.items()}
         fastpersist.load_into(target, folder / "s.pt")
         check(target)
+        assert ways[-1] == expected, ways
         check(fst.load_file(folder / "s.safetensors", device="cuda"))
         assert ways[-1] == expected, ways
         with fst.safe_open(folder / "s.safetensors", framework="pt", device="cuda") as f:
             check({k: f.get_tensor(k) for k in f.keys()})
+        assert expected in ways
     finally:
         if folder != tmp_path:
             shutil.rmtree(folder)
 
 
-def test_a_staged_load_waits_for_kernels_still_queued_on_the_callers_stream(tmp_path):
+def test_a_staged_load_waits_for_kernels_still_queued_on_the_callers_stream(tmp_path, ways):
     """Targets allocated on the caller's (non-default) stream, written there
     by a kernel still queued: the staged copies run after it; work queued
     after the load sees the bytes."""
     state = _big_state(1, 8)
-    fastpersist.save(state, tmp_path / "s.pt")
+    _saved_and_cached(state, tmp_path / "s.pt")
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         target = {k: torch.zeros_like(v) for k, v in state.items()}
@@ -150,16 +164,20 @@ def test_a_staged_load_waits_for_kernels_still_queued_on_the_callers_stream(tmp_
         fastpersist.load_into(target, tmp_path / "s.pt")
         sums = [v.float().sum() for v in target.values()]
     torch.cuda.synchronize()
+    assert ways == ["staged"]
     assert all(torch.equal(target[k], state[k]) for k in state)
     assert all(s.item() == state[k].float().sum().item() for s, k in zip(sums, state))
 
 
-def test_a_staging_buffer_is_refilled_only_once_its_copies_have_read_it(tmp_path, monkeypatch):
-    """Each copy out of a staging buffer held back on its stream (a busy
-    kernel queued first): a reader that refilled the buffer before the copy
-    ran would hand the device the next run's bytes."""
+def test_a_staging_buffer_is_refilled_only_once_its_copies_have_read_it(tmp_path, monkeypatch, ways):
+    """One reader cycling through its two 1 MiB buffers, each copy out of
+    them held back on its stream (a busy kernel queued first): a reader
+    that refilled a buffer before its copy ran would hand the device the
+    next run's bytes."""
     state = _big_state(6)
-    fastpersist.save(state, tmp_path / "s.pt")
+    _saved_and_cached(state, tmp_path / "s.pt")
+    monkeypatch.setattr(read_pipeline, "read_threads", lambda options: 1)
+    monkeypatch.setattr(read_pipeline, "_stage_bytes", lambda options, pieces: 1 << 20)
     real = device_io.Copies.copy
 
     def late(self, target, source):
@@ -170,12 +188,13 @@ def test_a_staging_buffer_is_refilled_only_once_its_copies_have_read_it(tmp_path
 
     monkeypatch.setattr(device_io.Copies, "copy", late)
     got = fastpersist.load(tmp_path / "s.pt", map_location="cuda")
+    assert ways == ["staged"]
     assert all(torch.equal(got[k], state[k]) for k in state)
 
 
-def test_a_staged_reader_failing_mid_read_raises_once_and_returns_every_buffer(tmp_path, monkeypatch):
+def test_a_staged_reader_failing_mid_read_raises_once_and_returns_every_buffer(tmp_path, monkeypatch, ways):
     state = _big_state(2)
-    fastpersist.save(state, tmp_path / "s.pt")
+    _saved_and_cached(state, tmp_path / "s.pt")
     real = read_pipeline._pread_into
     outstanding = [0]
     pool = device_io.staging_buffers
@@ -194,32 +213,34 @@ def test_a_staged_reader_failing_mid_read_raises_once_and_returns_every_buffer(t
     monkeypatch.setattr(read_pipeline, "_pread_into", failing)
     with pytest.raises(OSError, match="injected"):
         fastpersist.load(tmp_path / "s.pt", map_location="cuda")
-    assert outstanding == [0]
+    assert ways == ["staged"] and outstanding == [0]
     monkeypatch.setattr(read_pipeline, "_pread_into", real)
     got = fastpersist.load(tmp_path / "s.pt", map_location="cuda")  # the pool and streams still serve
     assert all(torch.equal(got[k], state[k]) for k in state)
 
 
-def test_staging_buffers_are_page_locked_and_bounded_by_the_engines(tmp_path):
+def test_staging_buffers_are_page_locked_and_bounded_by_the_engines(tmp_path, ways):
     device_io.staging_buffers.release()
-    state = _big_state(3)
-    fastpersist.save(state, tmp_path / "s.pt")
+    _saved_and_cached(_big_state(3), tmp_path / "s.pt")
     options = Options(**BUFFERS)
     fastpersist.patch(**BUFFERS)
     try:
         fastpersist.load(tmp_path / "s.pt", map_location="cuda")
     finally:
         fastpersist.unpatch()
+    assert ways == ["staged"]
     kept = device_io.staging_buffers.kept_bytes()
     assert 0 < kept <= options.buffer_size * options.num_buffers
     for (pinned, _), buffers in device_io.staging_buffers._free.items():
-        assert pinned and all(b.is_pinned() for b in buffers)
+        assert not buffers or (pinned and all(b.is_pinned() for b in buffers))
+    fastpersist.release_load_memory()  # unregistered and unmapped
+    assert device_io.staging_buffers.kept_bytes() == 0 and not device_io.staging_buffers._owners
 
 
-def test_a_forked_child_leaves_the_parents_staging_buffers_alone(tmp_path):
-    fastpersist.save(_big_state(4), tmp_path / "s.pt")
+def test_a_forked_child_leaves_the_parents_staging_buffers_alone(tmp_path, ways):
+    _saved_and_cached(_big_state(4), tmp_path / "s.pt")
     fastpersist.load(tmp_path / "s.pt", map_location="cuda")
-    assert device_io.staging_buffers.kept_bytes()
+    assert ways == ["staged"] and device_io.staging_buffers.kept_bytes()
 
     def child():
         torch.set_num_threads(1)
@@ -232,10 +253,11 @@ def test_a_forked_child_leaves_the_parents_staging_buffers_alone(tmp_path):
 
 
 @pytest.mark.parametrize("cached", [True, False])
-def test_the_vllm_iterator_onto_the_gpu_gives_every_tensor(tmp_path, cached):
+def test_the_vllm_iterator_onto_the_gpu_gives_every_tensor(tmp_path, ways, cached):
     """fastpersist's vLLM load format on a GPU (its iterator, without vLLM:
     vLLM's GPU build cannot be brought here): each shard's tensors onto
-    cuda, window by window, equal tensor by tensor to safetensors' own."""
+    cuda, window by window, in file order, equal tensor by tensor to
+    safetensors' own."""
     st = pytest.importorskip("safetensors.torch")
     from fastpersist.integrations import vllm as fp_vllm
 
@@ -243,8 +265,10 @@ def test_the_vllm_iterator_onto_the_gpu_gives_every_tensor(tmp_path, cached):
     for i, names in enumerate((list(state)[:25], list(state)[25:])):
         st.save_file({k: state[k] for k in names}, str(tmp_path / f"model-{i + 1:05d}-of-00002.safetensors"))
     files = fp_vllm.weight_files(str(tmp_path))
-    _engine.release(_engine.acquire(Options()))
-    if not cached and not all(evicted(f) for f in files):
+    if cached:
+        for f in files:
+            pathlib.Path(f).read_bytes()
+    elif not all(evicted(f) for f in files):
         pytest.skip("this filesystem keeps files in the page cache")
     logged = []
     got = {}
@@ -252,10 +276,12 @@ def test_the_vllm_iterator_onto_the_gpu_gives_every_tensor(tmp_path, cached):
                                         device=torch.device("cuda")):
         assert tensor.is_cuda, name
         got[name] = tensor
-    assert list(got) == list(state)
+    assert list(got) == [n for f in files for n in fp_vllm._header(f).entries]  # file order, file by file
+    assert sorted(got) == sorted(state)
     for k, v in state.items():
         assert got[k].dtype == v.dtype and torch.equal(got[k].cpu(), v), k
     assert all(("staged" if cached else "engine") in line for line in logged), logged
+    assert set(ways) == {"staged" if cached else "engine"}
 
 
 def test_files_saved_from_the_gpu_are_torchs(tmp_path):

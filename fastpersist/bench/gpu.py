@@ -364,8 +364,9 @@ class GpuBench:
             return
         for name, expected in (self.st_names if len(loaded) == len(self.st_names) else self.state).items():
             got = loaded.get(name)
-            if got is None or got.device != self.device or got.dtype != expected.dtype or \
-                    not torch.equal(got, expected):
+            on_device = got is not None and got.device.type == self.device.type and (
+                self.device.index is None or got.device.index == self.device.index)  # "cuda" is cuda:N
+            if not on_device or got.dtype != expected.dtype or not torch.equal(got, expected):
                 raise BenchError(f"{label}: tensor {name!r} differs from the state saved "
                                  f"({'missing' if got is None else f'{got.device} {got.dtype}'})")
 

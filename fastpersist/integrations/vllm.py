@@ -197,6 +197,7 @@ def _device_tensors(path: str, device, window_bytes: int):
                     except EOFError:
                         raise fast_st.SafetensorsFileError(f"{path}: the file ended before its {size} bytes were "
                                                            "read (did it shrink while being read?)") from None
+                del pieces  # their views would keep every tensor of the window alive after the consumer's copy
                 for name in window:
                     yield name, out.pop(name)
         finally:
