@@ -126,24 +126,34 @@ def test_every_load_to_the_gpu_in_every_mode(tmp_path, ways, where):
             if where == "partly cached":
                 with open(folder / name, "rb") as f:
                     f.read(os.path.getsize(folder / name) // 3)
-        expected = "staged" if where in ("page cache", "tmpfs") else "engine"
+        cached = where in ("page cache", "tmpfs")
+        expected = "staged" if cached else "engine"
 
         def check(got):
             assert got.keys() == state.keys()
             for k, v in state.items():
                 assert got[k].is_cuda and got[k].dtype == v.dtype and torch.equal(got[k], v), k
 
-        check(fastpersist.load(folder / "s.pt", map_location="cuda"))
-        assert ways[-1] == expected, ways
+        def way(call):
+            """call()'s result checked; the ways its reads went."""
+            before = len(ways)
+            check(call())
+            return ways[before:]
+
+        assert way(lambda: fastpersist.load(folder / "s.pt", map_location="cuda")) == [expected]
         target = {k: torch.empty_like(v) for k, v in state.items()}
-        fastpersist.load_into(target, folder / "s.pt")
-        check(target)
-        assert ways[-1] == expected, ways
-        check(fst.load_file(folder / "s.safetensors", device="cuda"))
-        assert ways[-1] == expected, ways
-        with fst.safe_open(folder / "s.safetensors", framework="pt", device="cuda") as f:
-            check({k: f.get_tensor(k) for k in f.keys()})
-        assert expected in ways
+        # from the disk, load_into's engine read begins before its plan (the pull read, not read_pieces)
+        assert way(lambda: (fastpersist.load_into(target, folder / "s.pt"), target)[1]) == \
+            (["staged"] if cached else [])
+        assert way(lambda: fst.load_file(folder / "s.safetensors", device="cuda")) == [expected]
+
+        def each_tensor():
+            with fst.safe_open(folder / "s.safetensors", framework="pt", device="cuda") as f:
+                return {k: f.get_tensor(k) for k in f.keys()}
+
+        taken = way(each_tensor)
+        # from the disk, a tensor in the pages the header's read brought in is read from there
+        assert (set(taken) == {"staged"}) if cached else ("engine" in taken), taken
     finally:
         if folder != tmp_path:
             shutil.rmtree(folder)
@@ -155,10 +165,12 @@ def test_a_staged_load_waits_for_kernels_still_queued_on_the_callers_stream(tmp_
     after the load sees the bytes."""
     state = _big_state(1, 8)
     _saved_and_cached(state, tmp_path / "s.pt")
+    fastpersist.load_into({k: torch.empty_like(v) for k, v in state.items()}, tmp_path / "s.pt")  # buffers made
+    ways.clear()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         target = {k: torch.zeros_like(v) for k, v in state.items()}
-        torch.cuda._sleep(200_000_000)  # ~0.1 s of a busy kernel, then a write the load must come after
+        torch.cuda._sleep(1_000_000_000)  # ~0.5 s of a busy kernel, then a write the load must come after
         for v in target.values():
             v.fill_(3)
         fastpersist.load_into(target, tmp_path / "s.pt")
@@ -281,7 +293,10 @@ def test_the_vllm_iterator_onto_the_gpu_gives_every_tensor(tmp_path, ways, cache
     for k, v in state.items():
         assert got[k].dtype == v.dtype and torch.equal(got[k].cpu(), v), k
     assert all(("staged" if cached else "engine") in line for line in logged), logged
-    assert set(ways) == {"staged" if cached else "engine"}
+    if cached:
+        assert set(ways) == {"staged"}
+    else:  # a window within the pages the header's read brought into the page cache is read from there
+        assert "engine" in ways and ways.count("staged") <= len(files), ways
 
 
 def test_files_saved_from_the_gpu_are_torchs(tmp_path):
@@ -327,7 +342,8 @@ def test_tensors_changed_after_save_async_returns_do_not_reach_the_file(tmp_path
     would run after the change."""
     x = torch.ones(16 << 20, device="cuda")
     other = torch.cuda.Stream()
-    torch.cuda._sleep(200_000_000)
+    fastpersist.save_async({"x": x}, tmp_path / "warm.pt").result()  # the snapshot arena made and registered
+    torch.cuda._sleep(1_000_000_000)
     handle = fastpersist.save_async({"x": x}, tmp_path / "a.pt")
     with torch.cuda.stream(other):
         x.mul_(5)  # training goes on, on its own stream
@@ -341,7 +357,8 @@ def test_save_async_snapshots_what_kernels_queued_before_it_wrote(tmp_path):
     come after the kernels the caller queued before calling: here a write
     held behind a busy kernel on the current stream."""
     x = torch.zeros(16 << 20, device="cuda")
-    torch.cuda._sleep(200_000_000)
+    fastpersist.save_async({"x": x}, tmp_path / "warm.pt").result()  # the snapshot arena made and registered
+    torch.cuda._sleep(1_000_000_000)
     x.fill_(7)
     fastpersist.save_async({"x": x, "step": 3}, tmp_path / "k.pt").result()
     assert torch.all(torch.load(tmp_path / "k.pt", map_location="cpu")["x"] == 7)

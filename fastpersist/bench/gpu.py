@@ -17,8 +17,10 @@ Measured, each in every round, in an order shuffled from round to round:
   ``fastpersist.load`` and ``fastpersist.load_into`` the model that exists on
   the device; a safetensors file of the same tensors through safetensors'
   ``load_file(device=...)`` and fastpersist's; the peers where importable
-  (fastsafetensors without GDS, InstantTensor, runai-model-streamer to the
-  CPU then ``.to(device)``, as vLLM uses it), each load's tensors checked
+  (fastsafetensors without GDS, which reads with O_DIRECT on ext4 by its
+  own default even where the file is cached, InstantTensor,
+  runai-model-streamer to the CPU then ``.to(device)``, as vLLM uses it),
+  each load's tensors checked
   equal to the state once. The ceiling of each source: the raw engine
   reading the file into host memory (cold), ``read_threads`` threads
   pread-ing it into page-locked memory (warm, tmpfs); beside them, one
@@ -471,18 +473,20 @@ class GpuBench:
                 _reset_peak()
                 try:
                     got = measure()
+                    peak = _vm_kib("VmHWM")
+                    if round_index == 0:
+                        self.check(f"{s.operation}: {s.mechanism}")
                 except Exception as exc:  # noqa: BLE001 - a peer's failure is its row's, not the run's
                     if s.mechanism not in PEERS:
                         raise
                     failed.add(s.mechanism)
-                    self.skipped[s.mechanism] = f"raised {common.format_exception(exc)}"
+                    self.skipped[s.mechanism] = f"raised or differed: {common.format_exception(exc)}"
                     self.loaded = None
                     continue
                 seconds, extra = got if isinstance(got, tuple) else (got, {})
-                peak = _vm_kib("VmHWM")
-                if round_index == 0:
-                    self.check(f"{s.operation}: {s.mechanism}")
                 self.loaded = None
+                # a line per measurement as it is made: a run cut short by a time limit still says what it saw
+                common.notice(f"round {round_index + 1}: {s.operation}: {s.mechanism}: {seconds:.3f} s")
                 s.add(seconds, extra)
                 if self.peak_measurable and rss is not None and peak is not None:
                     s.extra["peak_host_mib"].append(max(0, peak - rss) / 1024)
@@ -490,10 +494,19 @@ class GpuBench:
 
 
 def _stock_load_file():
-    """safetensors' own load_file, whether or not fastpersist has patched it."""
-    import safetensors.torch
+    """safetensors' load_file, whether or not fastpersist has patched
+    safetensors: its body (safe_open, get_tensor of every name) over
+    safetensors' own safe_open (the original load_file looks safe_open up
+    where the patch rebinds it)."""
+    import safetensors
 
-    return getattr(safetensors.torch, "_fastpersist_original_load_file", safetensors.torch.load_file)
+    safe_open = getattr(safetensors, "_fastpersist_original_safe_open", safetensors.safe_open)
+
+    def load_file(path: str, device: str = "cpu") -> dict:
+        with safe_open(path, framework="pt", device=device) as f:
+            return {k: f.get_tensor(k) for k in f.keys()}
+
+    return load_file
 
 
 def _by_role(series: list, operation: str, role: str) -> Optional[Series]:
