@@ -70,8 +70,12 @@ def main() -> int:
             env = dict(os.environ, FASTPERSIST_AUTOPATCH="0",
                        PYTHONPATH=os.pathsep.join([copy] + [p for p in os.environ.get("PYTHONPATH", "").split(
                            os.pathsep) if p and os.path.abspath(p) != ROOT]))
-            out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test],
-                                 cwd=copy, env=env, capture_output=True, text=True, timeout=120)
+            try:
+                out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test],
+                                     cwd=copy, env=env, capture_output=True, text=True, timeout=60)
+            except subprocess.TimeoutExpired:  # the mutant hangs its test: that is a failure too
+                print(f"killed (its test hung for 60 s): {what} -> {test}", flush=True)
+                continue
             tail = (out.stdout.strip().splitlines() or [""])[-1]
             killed = out.returncode == 1  # a test failed (2+: collection or usage errors prove nothing)
             verdict = "killed" if killed else "UNVERIFIED (the test did not run)" if "skipped" in tail and \

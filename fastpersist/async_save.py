@@ -137,6 +137,7 @@ class _Arena:
 # child has mapped there since.
 _kept_from_children: "weakref.WeakSet[_Arena]" = weakref.WeakSet()
 _forked_away: list = []
+device_io.keep_forever(_forked_away)  # not even at a child's exit: freeing them would unmap the child's own memory
 
 
 def _unregister_in(pid: int, unregister, _mapping) -> None:
@@ -485,14 +486,16 @@ class _SnapshotCopy:
         if not background or offset < self.MIN_BYTES:
             self._copy(copies, threads)
             return
+        thread = threading.Thread(target=self._copy, args=(copies, threads), daemon=True, name="fastpersist-snapshot")
         try:
-            self.thread = threading.Thread(target=self._copy, args=(copies, threads), daemon=True,
-                                           name="fastpersist-snapshot")
-            self.thread.start()
+            thread.start()
         except BaseException:
-            self.thread = None
-            self._wait_for_device()  # the arena goes back to the pool next: no copy may still write into it
+            # the arena goes back to the pool next: no copy may still write into it
+            if thread.ident is not None:  # started, then interrupted while start() waited for it
+                thread.join()
+            self._wait_for_device()
             raise
+        self.thread = thread
 
     @classmethod
     def into(cls, storages: dict, memory: "_SnapshotMemory", limit: int,

@@ -419,8 +419,9 @@ class StagingBuffers:
     file's read. A page-locked buffer is an anonymous mapping registered
     with CUDA (cudaHostRegister, as the engine's buffers are: torch's own
     pinned allocator would keep them after release()), left out of forked
-    children (MADV_DONTFORK). At most KEEP_BYTES are kept; release() lets
-    them go. In a forked child the parent's are never used or freed."""
+    children (MADV_DONTFORK). At most KEEP_BYTES are kept; release()
+    unregisters them and lets them go. In a forked child the parent's are
+    never used or freed."""
 
     KEEP_BYTES = 256 << 20
 
@@ -430,7 +431,6 @@ class StagingBuffers:
         self._lock = threading.Lock()
         self._free: dict = {}  # (pinned, nbytes) -> [uint8 tensor]
         self._owners: dict = {}  # address -> (mapping, unregister) of a page-locked buffer
-        self._forked_away: list = []  # a forked child's: the parent's buffers, never unmapped there
 
     def take(self, count: int, nbytes: int, pinned: bool) -> list:
         with self._lock:
@@ -486,30 +486,32 @@ class StagingBuffers:
         self._drop(buffers)
 
     def _drop(self, buffers: list) -> None:
-        """Unregisters page-locked buffers and lets their mappings go (each
-        is unmapped once the last tensor over it is gone); empties buffers."""
+        """Unregisters page-locked buffers and lets their mappings go: each
+        is unmapped when the last tensor over it goes (a tensor made by
+        torch.frombuffer holds its mapping); empties buffers."""
         with self._lock:
             owners = [self._owners.pop(b.data_ptr(), None) for b in buffers]
         buffers.clear()
         for owner in owners:
-            if owner is None:
-                continue
-            memory, unregister = owner
-            if unregister is not None:
-                unregister()  # before the memory is unmapped
-            try:
-                memory.close()
-            except BufferError:  # a tensor over it is still held: the mapping goes with it
-                pass
+            if owner is not None and owner[1] is not None:
+                owner[1]()  # cudaHostUnregister, while the memory is still mapped
 
     def forget_in_child(self) -> None:
         """After fork, in the child: a fresh lock (another thread may have
-        held the parent's), and the parent's buffers set aside for good."""
+        held the parent's), and the parent's buffers set aside for good:
+        their ranges are not mapped here (MADV_DONTFORK), so freeing their
+        mapping objects would unmap whatever the child has put there since."""
         import threading
 
         self._lock = threading.Lock()
-        self._forked_away.append((self._free, self._owners))
+        keep_forever((self._free, self._owners))
         self._free, self._owners = {}, {}
+
+
+def keep_forever(obj) -> None:
+    """A reference to obj that is never dropped, not even at interpreter
+    exit (a forked child's objects over memory only its parent maps)."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
 staging_buffers = StagingBuffers()

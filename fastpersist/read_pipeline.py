@@ -259,7 +259,7 @@ def _staged_read(fd: int, path: str, pieces: list, threads: int, stage_bytes: in
                     copies.abandon()  # the buffers go back only once no copy reads them
                     done = True
                 except BaseException:  # noqa: BLE001 - the error in flight is the one raised
-                    pass  # copies that cannot be waited for: their buffers are dropped, never reused
+                    pass  # copies that cannot be waited for: their buffers are never reused (leaked, registered)
             if buffers and done:
                 device_io.staging_buffers.give(buffers, stage_bytes, pinned)
 
