@@ -219,7 +219,7 @@ def _staged_read(fd: int, path: str, pieces: list, threads: int, stage_bytes: in
     pinned = any(p.target.device.type == "cuda" for p in pieces)
     streams = device_io.callers_streams(pieces)
     threads = max(1, min(threads, len(chunks)))
-    sums: dict = {}  # (offset, nbytes) -> [(a, b - a, crc of bytes [a, b))]
+    sums: dict = {}  # (offset, nbytes) -> [(a, crc of bytes [a, b), b - a)]
     state = _Shared(False)
     work = iter(chunks)
 
@@ -239,15 +239,18 @@ def _staged_read(fd: int, path: str, pieces: list, threads: int, stage_bytes: in
                 staged = buffers[slot]
                 address = staged.data_ptr()
                 _pread_into(fd, path, address, lo, hi - lo)
+                to_cpu = []  # (source, destination, nbytes): one C call for the run's CPU targets
                 for key, a, b in parts:
                     at = key[0] + a - lo
                     for piece in targets[key]:
                         if piece.address is not None:
-                            _engine.copy_many([(address + at, piece.address + a, b - a)])
+                            to_cpu.append((address + at, piece.address + a, b - a))
                         else:
                             copies.copy(piece.target[a:b], staged[at:at + b - a])
                     if checksums:
-                        sums.setdefault(key, []).append((a, b - a, _engine.crc32_at(address + at, b - a)))
+                        sums.setdefault(key, []).append((a, _engine.crc32_at(address + at, b - a), b - a))
+                if to_cpu:
+                    _engine.copy_many(to_cpu)
                 tokens[slot] = copies.mark()
             for token in tokens:
                 copies.wait(token)
@@ -266,14 +269,7 @@ def _staged_read(fd: int, path: str, pieces: list, threads: int, stage_bytes: in
     _run_on_helpers(run, threads, stop, state, path)
     if not checksums:
         return {}
-    crcs = {}
-    for key, parts in sums.items():
-        parts.sort()
-        crc = parts[0][2]
-        for _, n, part_crc in parts[1:]:
-            crc = _engine.crc32_combine(crc, part_crc, n)
-        crcs[key] = crc
-    return crcs
+    return {key: _crc_of_parts(part[1:] for part in sorted(parts)) for key, parts in sums.items()}
 
 
 def _pread_into(fd: int, path: str, address: int, offset: int, nbytes: int) -> None:
@@ -369,13 +365,7 @@ def _read_both_ways(fd: int, path: str, size: int, options: Options, cached: lis
     pieces: dict = {}  # whole extent -> {(offset, nbytes)} of its pieces (an extent asked twice: once)
     for piece in cached + uncached:
         pieces.setdefault(piece[3][1:], set()).add(piece[1:3])
-    whole = {}
-    for (offset, nbytes), parts in pieces.items():
-        crc = None
-        for part in sorted(parts):
-            crc = crcs[part] if crc is None else _engine.crc32_combine(crc, crcs[part], part[1])
-        whole[offset, nbytes] = crc
-    return whole
+    return {whole: _crc_of_parts((crcs[part], part[1]) for part in sorted(parts)) for whole, parts in pieces.items()}
 
 
 def pread_extents(fd: int, path: str, extents, checksums: bool, threads: int = 1, populate: bool = False,
@@ -414,11 +404,16 @@ def pread_extents(fd: int, path: str, extents, checksums: bool, threads: int = 1
         return {}
     crcs = state.crcs
     for (offset, nbytes), sums in pieces.items():
-        crc = sums[0]
-        for i, piece_crc in enumerate(sums[1:], 1):
-            crc = _engine.crc32_combine(crc, piece_crc, min(PIECE, nbytes - i * PIECE))
-        crcs[offset, nbytes] = crc
+        crcs[offset, nbytes] = _crc_of_parts((crc, min(PIECE, nbytes - i * PIECE)) for i, crc in enumerate(sums))
     return crcs
+
+
+def _crc_of_parts(parts) -> int:
+    """The CRC-32 of consecutive parts, from each one's (crc, nbytes), in order."""
+    crc = None
+    for part_crc, nbytes in parts:
+        crc = part_crc if crc is None else _engine.crc32_combine(crc, part_crc, nbytes)
+    return crc
 
 
 def _run_on_helpers(run, threads: int, stop: Optional[StopSignal], state: "_Shared", path: str) -> None:

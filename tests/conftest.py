@@ -200,6 +200,17 @@ def is_locked(path) -> bool:
         os.close(fd)  # drops our lock, if we got it
 
 
+def safetensors_header(path):
+    """A safetensors file's header as fastpersist reads it (entries in file order)."""
+    from fastpersist import safetensors as fast_st
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return fast_st.Header.read(fd, str(path), os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
 def evicted(path) -> bool:
     """Drops a file from the page cache (fsync, POSIX_FADV_DONTNEED); whether
     that worked (under half of it still cached: some filesystems keep it)."""

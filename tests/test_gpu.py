@@ -18,7 +18,7 @@ import fastpersist
 from fastpersist import _engine, device_io, read_pipeline
 from fastpersist.options import Options
 
-from conftest import evicted, fork_child
+from conftest import evicted, fork_child, safetensors_header
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)")
 
@@ -288,7 +288,7 @@ def test_the_vllm_iterator_onto_the_gpu_gives_every_tensor(tmp_path, ways, cache
                                         device=torch.device("cuda")):
         assert tensor.is_cuda, name
         got[name] = tensor
-    assert list(got) == [n for f in files for n in fp_vllm._header(f).entries]  # file order, file by file
+    assert list(got) == [n for f in files for n in safetensors_header(f).entries]  # file order, file by file
     assert sorted(got) == sorted(state)
     for k, v in state.items():
         assert got[k].dtype == v.dtype and torch.equal(got[k].cpu(), v), k

@@ -24,6 +24,8 @@ from fastpersist.integrations import vllm as fp_vllm
 from fastpersist.options import Options
 from fastpersist.safetensors import SafetensorsFileError
 
+from conftest import safetensors_header
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 VLLM_PYTHON = os.environ.get("FASTPERSIST_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python"))
 
@@ -220,9 +222,9 @@ def test_the_device_iterator_reads_window_by_window(models, page_cache_reads):
     from safetensors.torch import load_file
 
     files = fp_vllm.weight_files(str(models["sharded"]))
-    path = max(files, key=lambda f: len(fp_vllm._header(f).entries))
+    path = max(files, key=lambda f: len(safetensors_header(f).entries))
     expected = {k: v.clone() for k, v in load_file(path).items()}
-    windows = list(fp_vllm._windows(fp_vllm._header(path), 40 << 10))
+    windows = list(fp_vllm._windows(safetensors_header(path), 40 << 10))
     assert len(windows) > 2 and [n for w in windows for n in w] == list(expected)
     for cached in (True, False):
         if not cached:

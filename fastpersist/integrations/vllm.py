@@ -206,17 +206,6 @@ def _device_tensors(path: str, device, window_bytes: int):
     return mode, tensors()
 
 
-def _header(path: str):
-    """A safetensors file's header (SafetensorsFileError naming the file where it is not sound)."""
-    from .. import safetensors as fast_st
-
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        return fast_st.Header.read(fd, path, os.fstat(fd).st_size)
-    finally:
-        os.close(fd)
-
-
 def _windows(header, window_bytes: int):
     """The header's tensor names, in file order, in runs of at most
     window_bytes (a larger tensor alone)."""
